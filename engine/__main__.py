@@ -1,0 +1,7 @@
+"""``python -m engine`` runs the ``patch-engine`` command line."""
+
+import sys
+
+from engine.cli import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, demo, kernels.
+
+Exit codes: 0 ok, 1 a check failed (invalid patchset, plan refused, verification
+failed), 2 usage error (bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from engine.errors import PatchError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from engine.loader import load_patchset
+
+    failed = 0
+    for path in args.files:
+        try:
+            ps = load_patchset(path)
+        except PatchError as exc:
+            failed += 1
+            print(exc, file=sys.stderr)
+        else:
+            if not args.quiet:
+                print(f"{path}: ok ({ps.name}, {len(ps.patches)} patches)")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from engine.loader import json_schema
+
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def _tiny_model_for(patchset: Any, model_type: str | None, dtype: str) -> Any:
+    import torch
+
+    from engine.tiny import build_tiny_model
+
+    tiny = patchset.tiny_model
+    mt = model_type or (tiny.model_type if tiny and tiny.model_type else patchset.model_types[0])
+    config = tiny.config if tiny else {}
+    return build_tiny_model(mt, config, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from engine.loader import load_patchset
+    from engine.planner import plan
+
+    ps = load_patchset(args.patchset)
+    model = _tiny_model_for(ps, args.model_type, "fp32")
+    the_plan = plan(model, ps, device=args.device, mode=args.mode)
+    if args.json:
+        from engine.report import Report
+
+        print(json.dumps(Report.from_plan(the_plan).to_dict(), indent=2))
+    else:
+        from engine.report import format_decisions
+
+        print(f"plan {ps.name!r} for a tiny {the_plan.model_type} on {the_plan.device.value} ({the_plan.mode})")
+        print(format_decisions(the_plan.decisions, detail=args.detail))
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from engine.loader import load_patchset
+    from engine.patcher import apply
+    from engine.verify import verify
+
+    ps = load_patchset(args.patchset)
+    model = _tiny_model_for(ps, args.model_type, args.dtype)
+    apply(model, ps, device=args.device or "cpu")
+    report = verify(model, raise_on_failure=False)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return EXIT_OK if report.passed else EXIT_FAILED
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from engine.demo import run_demo
+
+    return run_demo(args.patchset, steps=args.steps)
+
+
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    from engine.kernels.registry import _PROVIDERS, _ensure_loaded
+    from engine.report import format_table
+
+    _ensure_loaded()
+    rows = [
+        (p.name, p.op, p.device_list(), ", ".join(d.package for d in p.requires) or "-",
+         "yes" if p.has_backward else "no", "yes" if p.compile_safe else "no")
+        for p in sorted(_PROVIDERS.values(), key=lambda p: (p.op, p.name))
+    ]
+    print(format_table(("kernel", "op", "devices", "needs", "backward", "compile-safe"), rows))
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="patch-engine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="validate patchset files against the schema")
+    p.add_argument("files", nargs="+")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of patchsets")
+    p.set_defaults(func=_cmd_schema)
+
+    for name, func, help_ in (
+        ("plan", _cmd_plan, "show what applying a patchset would do, on a tiny model of its family"),
+        ("verify", _cmd_verify, "apply to a tiny model and compare patched vs original numerically"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("patchset", help="bundled name (qwen3, qwen3.yaml) or path")
+        p.add_argument("--model-type", help="model_type of the tiny model (default: the patchset's)")
+        p.add_argument("--device", help="cpu, cuda, npu, xpu, mps (default: current accelerator)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "plan":
+            p.add_argument("--mode", choices=("training", "inference"), default="training")
+            p.add_argument("--detail", action="store_true", help="one row per module")
+        else:
+            p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("demo", help="patch a small Qwen3 on this device; compare numbers and time")
+    p.add_argument("--patchset", default="qwen3")
+    p.add_argument("--steps", type=int, default=3, help="timed forward+backward repeats")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("kernels", help="list registered kernel providers")
+    p.set_defaults(func=_cmd_kernels)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    try:
+        return int(args.func(args))
+    except PatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as exc:  # bad argument values (e.g. unknown device)
+        print(f"usage error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

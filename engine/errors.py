@@ -1,0 +1,92 @@
+"""The exceptions a user of the engine can catch.
+
+Every error the engine raises on purpose derives from :class:`PatchError`, so one
+``except engine.PatchError`` catches them all. Each also derives from the builtin a
+PyTorch user would reach for first (``ValueError``, ``LookupError``, ``ImportError``,
+``RuntimeError``), so existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PatchError",
+    "PatchsetError",
+    "ModelTypeMismatch",
+    "VersionMismatch",
+    "TargetNotFound",
+    "SignatureMismatch",
+    "DeviceUnsupported",
+    "MissingDependency",
+    "KernelNotFound",
+    "AlreadyPatched",
+    "VerificationFailed",
+]
+
+
+class PatchError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class PatchsetError(PatchError, ValueError):
+    """A patchset file is malformed: YAML syntax, unknown key, wrong value, bad ``extends``.
+
+    Attributes:
+        file: the file the problem is in (``None`` for an in-memory patchset).
+        line: 1-based line of the offending key or value, when known.
+        key: dotted path of the offending key, e.g. ``patches[1].scale``.
+        problem: what is wrong, and how to fix it.
+    """
+
+    def __init__(self, problem: str, *, file: str | None = None, line: int | None = None, key: str | None = None):
+        self.file = file
+        self.line = line
+        self.key = key
+        self.problem = problem
+        super().__init__(self.location_prefix() + problem)
+
+    def location_prefix(self) -> str:
+        """``file:line: key: `` with whatever parts are known."""
+        where = ""
+        if self.file is not None:
+            where = self.file + (f":{self.line}" if self.line is not None else "") + ": "
+        elif self.line is not None:
+            where = f"line {self.line}: "
+        if self.key:
+            where += f"{self.key}: "
+        return where
+
+
+class ModelTypeMismatch(PatchError, ValueError):
+    """The patchset was written for other ``model_type`` values than the model's."""
+
+
+class VersionMismatch(PatchError, RuntimeError):
+    """The installed library version is outside the range the patchset was written for."""
+
+
+class TargetNotFound(PatchError, LookupError):
+    """A declared target (class or function) matched nothing in the model: a silent no-op otherwise."""
+
+
+class SignatureMismatch(PatchError, TypeError):
+    """The target's forward signature is not the one the op requires (e.g. a gated op on a forward without ``gate``)."""
+
+
+class DeviceUnsupported(PatchError, RuntimeError):
+    """The requested kernel cannot run on the device the plan is made for."""
+
+
+class MissingDependency(PatchError, ImportError):
+    """A kernel needs a Python package that is not installed or does not import."""
+
+
+class KernelNotFound(PatchError, LookupError):
+    """No kernel provider is registered under a name, or none serves an op on a device."""
+
+
+class AlreadyPatched(PatchError, RuntimeError):
+    """The model is already patched by another patchset; revert it first."""
+
+
+class VerificationFailed(PatchError, AssertionError):
+    """A patched module or model does not compute what the original computed."""

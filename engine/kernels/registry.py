@@ -1,0 +1,132 @@
+"""The kernel registry: which provider implements which op on which devices.
+
+A provider is registered once per (name, op); a duplicate registration is a bug and is
+refused. ``auto`` walks :data:`AUTO_ORDER` for the device, a data table, and takes the
+first provider that implements the op, supports the mode, and whose dependencies import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import KernelNotFound, MissingDependency
+from engine.schema import Device
+
+__all__ = [
+    "Dependency",
+    "KernelProvider",
+    "register",
+    "get",
+    "providers_for",
+    "kernel_names",
+    "AUTO_ORDER",
+    "ALL_DEVICES",
+]
+
+ALL_DEVICES: frozenset[Device] = frozenset(Device)
+
+#: The order in which ``kernel: auto`` tries providers, per device. Names with no provider
+#: for an op are passed over; ``torch`` (the reference) ends every list.
+AUTO_ORDER: dict[Device, tuple[str, ...]] = {
+    Device.cuda: ("liger", "fla", "torch"),
+    Device.npu: ("npu", "torch"),
+    Device.cpu: ("compiled", "torch"),
+    Device.xpu: ("torch",),
+    Device.mps: ("torch",),
+}
+
+
+@dataclass(frozen=True)
+class Dependency:
+    """A Python package a provider imports, and the extra of ours that installs it."""
+
+    module: str  # import name, e.g. "liger_kernel"
+    package: str  # distribution name, e.g. "liger-kernel"
+    extra: str  # our extra, e.g. "cuda"
+
+    def check(self) -> None:
+        """Import the module; raise :class:`MissingDependency` that says how to fix it."""
+        hint = f'pip install "patch-engine[{self.extra}]"'
+        if importlib.util.find_spec(self.module) is None:
+            raise MissingDependency(f"{self.package} is not installed (import {self.module!r} failed); {hint}")
+        try:
+            importlib.import_module(self.module)
+        except Exception as exc:  # installed but broken, e.g. torch_npu without CANN
+            raise MissingDependency(
+                f"{self.package} is installed but `import {self.module}` failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class KernelProvider:
+    """One implementation of one op.
+
+    Attributes:
+        name: the name patchsets use (``torch``, ``compiled``, ``liger``, ``npu``, ``fla``).
+        op: the op it implements.
+        devices: the device types it runs on.
+        build: ``build(patch) -> impl``: imports lazily and returns the op's kernel function,
+            specialized to the patch's settings. Its signature is the op's kernel signature.
+        requires: Python packages it imports.
+        has_backward: whether autograd works through it (training needs it).
+        compile_safe: whether ``torch.compile`` can trace it without an error.
+    """
+
+    name: str
+    op: str
+    devices: frozenset[Device]
+    build: Callable[[Any], Callable[..., Any]]
+    requires: tuple[Dependency, ...] = ()
+    has_backward: bool = True
+    compile_safe: bool = True
+    description: str = ""
+
+    def check_dependencies(self) -> None:
+        for dep in self.requires:
+            dep.check()
+
+    def device_list(self) -> str:
+        return " or ".join(sorted(d.value for d in self.devices))
+
+
+_PROVIDERS: dict[tuple[str, str], KernelProvider] = {}
+
+
+def register(provider: KernelProvider) -> KernelProvider:
+    """Add a provider; registering the same (name, op) twice is refused."""
+    key = (provider.name, provider.op)
+    if key in _PROVIDERS:
+        raise ValueError(f"kernel {provider.name!r} for op {provider.op!r} is already registered")
+    _PROVIDERS[key] = provider
+    return provider
+
+
+def _ensure_loaded() -> None:
+    import engine.kernels  # noqa: F401  (registers the bundled providers)
+
+
+def get(name: str, op: str) -> KernelProvider:
+    """The provider ``name`` for ``op``; :class:`KernelNotFound` lists what exists."""
+    _ensure_loaded()
+    try:
+        return _PROVIDERS[(name, op)]
+    except KeyError:
+        offered = sorted(n for (n, o) in _PROVIDERS if o == op)
+        raise KernelNotFound(
+            f"no kernel {name!r} for op {op!r}; kernels for {op}: {', '.join(offered) or 'none'}"
+        ) from None
+
+
+def providers_for(op: str) -> list[KernelProvider]:
+    _ensure_loaded()
+    return [p for (n, o), p in _PROVIDERS.items() if o == op]
+
+
+def kernel_names() -> set[str]:
+    """Every registered provider name (for schema validation)."""
+    _ensure_loaded()
+    return {name for name, _ in _PROVIDERS}

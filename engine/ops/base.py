@@ -1,0 +1,119 @@
+"""What an op is: its semantics (a torch reference), the target it requires, and how to bind it.
+
+An op knows nothing about devices or vendor kernels. It defines:
+
+* the *kernel signature*: the function every provider of the op returns from
+  ``build(patch)`` (e.g. ``rms_norm(x, weight, eps) -> y``);
+* the *target contract*: which forward signatures it can replace, checked before anything
+  is patched;
+* how to turn a kernel function into a replacement forward for one module instance;
+* which other settings a user could have meant, so verification can say which one fits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Literal
+
+from torch import nn
+
+from engine.errors import SignatureMismatch
+
+__all__ = ["Op", "ModuleOp", "FunctionOp", "register_op", "get_op", "all_ops", "forward_parameters"]
+
+
+class Op:
+    """Base of all ops. Subclasses are singletons registered with :func:`register_op`."""
+
+    name: ClassVar[str]
+    kind: ClassVar[Literal["module", "function"]]
+    patch_type: ClassVar[type]
+
+    def alternatives(self, patch: Any) -> Iterator[tuple[str, Any]]:
+        """Other declarations of this patch that a user might have meant: ``(label, patch)``."""
+        return iter(())
+
+
+class ModuleOp(Op):
+    """An op that replaces the forward of module instances."""
+
+    kind = "module"
+
+    def check_target(self, module: nn.Module, patch: Any) -> None:
+        """Raise :class:`SignatureMismatch` (or PatchError) when ``module`` cannot take this op."""
+        raise NotImplementedError
+
+    def bind(self, module: nn.Module, patch: Any, impl: Callable[..., Any]) -> Callable[..., Any]:
+        """A plain function ``forward(self, ...)`` to be bound to ``module`` with MethodType."""
+        raise NotImplementedError
+
+
+class FunctionOp(Op):
+    """An op that replaces a module-level function of a modeling module."""
+
+    kind = "function"
+
+    def check_function(self, function: Callable[..., Any], patch: Any) -> None:
+        """Raise :class:`SignatureMismatch` when ``function`` is not what this op replaces."""
+        raise NotImplementedError
+
+
+_OPS: dict[str, Op] = {}
+
+
+def register_op(op_cls: type[Op]) -> type[Op]:
+    """Class decorator: register one instance of the op; duplicates are refused."""
+    if op_cls.name in _OPS:
+        raise ValueError(f"op {op_cls.name!r} is already registered")
+    _OPS[op_cls.name] = op_cls()
+    return op_cls
+
+
+def get_op(name: str) -> Op:
+    import engine.ops  # noqa: F401  (registers the bundled ops)
+
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise LookupError(f"no op {name!r}; ops: {', '.join(sorted(_OPS))}") from None
+
+
+def all_ops() -> dict[str, Op]:
+    import engine.ops  # noqa: F401
+
+    return dict(_OPS)
+
+
+def forward_parameters(cls: type) -> list[inspect.Parameter]:
+    """The parameters of ``cls.forward`` after ``self``, seen through decorators."""
+    forward = inspect.unwrap(cls.forward)
+    params = list(inspect.signature(forward).parameters.values())
+    return params[1:] if params and params[0].name == "self" else params
+
+
+def describe_signature(cls: type) -> str:
+    return f"{cls.__name__}.forward({', '.join(str(p) for p in forward_parameters(cls))})"
+
+
+def require_single_input(module: nn.Module, op_name: str, *, forbid: tuple[str, ...] = ()) -> None:
+    """Check that the forward takes exactly one required tensor and none of ``forbid``.
+
+    Why: an op that computes ``f(x)`` silently drops any other argument the forward needs.
+    """
+    cls = type(module)
+    params = forward_parameters(cls)
+    names = {p.name for p in params}
+    bad = names.intersection(forbid)
+    required = [
+        p
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if bad or len(required) != 1:
+        reason = f"it takes {', '.join(sorted(bad))}" if bad else f"it needs {len(required)} required arguments"
+        raise SignatureMismatch(
+            f"{op_name} cannot replace {describe_signature(cls)}: {reason}, "
+            f"while {op_name} computes f(hidden_states) from one tensor. "
+            "Pick the op that matches this forward (e.g. gated_rms_norm for a forward with a gate)."
+        )

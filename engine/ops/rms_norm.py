@@ -1,0 +1,115 @@
+"""RMSNorm: ``x_hat = x * rsqrt(mean(x^2, -1) + eps)``, scaled by ``w`` or ``1 + w``.
+
+The reference follows transformers' own expressions step for step, so that in bf16 it is
+bit-for-bit equal to the module it replaces when the declared cast order is the module's:
+
+* ``llama``: ``w * x_hat.to(in_dtype)``: normalize in fp32, cast, multiply (the result
+  dtype is the promotion of the weight and input dtypes, as in transformers);
+* ``fp32``: ``(w.float() * x_hat).to(in_dtype)``: multiply in fp32, cast last (gemma, olmo2).
+
+``1 + w`` is always formed in fp32 (``weight.float() + 1``), never in the weight's dtype:
+in bf16, ``1 + 0.011`` rounds to ``1.0078125``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import SignatureMismatch
+from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
+from engine.ops.base import ModuleOp, register_op, require_single_input
+from engine.schema import CastOrder, Precision, RmsNormPatch, Scale
+
+__all__ = ["RmsNormOp", "rms_norm_reference", "effective_weight"]
+
+
+def effective_weight(weight: torch.Tensor, scale: Scale) -> torch.Tensor:
+    """The factor the normalized input is multiplied by: ``w``, or ``1 + w`` formed in fp32."""
+    return weight.float() + 1.0 if scale is Scale.one_plus_weight else weight
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    scale: Scale = Scale.weight,
+    cast: CastOrder = CastOrder.llama,
+    precision: Precision = Precision.native,
+) -> torch.Tensor:
+    """The ground truth of the ``rms_norm`` op (see the module docstring for the cast orders)."""
+    in_dtype = x.dtype
+    xf = x.to(torch.float32)
+    x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = effective_weight(weight, scale)
+    if cast is CastOrder.llama and precision is Precision.native:
+        return w * x_hat.to(in_dtype)
+    return (w.to(torch.float32) * x_hat).to(in_dtype)
+
+
+def _build_torch(patch: RmsNormPatch) -> Callable[..., torch.Tensor]:
+    return partial(rms_norm_reference, scale=patch.scale, cast=patch.cast, precision=patch.precision)
+
+
+register(
+    KernelProvider(
+        name="torch",
+        op="rms_norm",
+        devices=ALL_DEVICES,
+        build=_build_torch,
+        description="torch reference (the ground truth), every device",
+    )
+)
+
+
+@register_op
+class RmsNormOp(ModuleOp):
+    """Replace an RMSNorm module's forward with ``kernel(x, weight, eps)``."""
+
+    name = "rms_norm"
+    patch_type = RmsNormPatch
+
+    def check_target(self, module: nn.Module, patch: RmsNormPatch) -> None:
+        require_single_input(module, self.name, forbid=("gate",))
+        cls = type(module).__name__
+        eps = getattr(module, patch.eps_attr, None)
+        if not isinstance(eps, (float, int)) or isinstance(eps, bool):
+            raise SignatureMismatch(
+                f"{cls} has no numeric attribute {patch.eps_attr!r} (eps_attr); "
+                f"numeric attributes it has: {_numeric_attrs(module)}"
+            )
+        weight = getattr(module, patch.weight_attr, None)
+        if not isinstance(weight, torch.Tensor):
+            raise SignatureMismatch(f"{cls} has no tensor attribute {patch.weight_attr!r} (weight_attr)")
+
+    def bind(self, module: nn.Module, patch: RmsNormPatch, impl: Callable[..., Any]) -> Callable[..., Any]:
+        eps = float(getattr(module, patch.eps_attr))
+        weight_attr = patch.weight_attr
+        if weight_attr == "weight":
+
+            def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+                return impl(hidden_states, self.weight, eps)
+
+        else:
+
+            def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+                return impl(hidden_states, getattr(self, weight_attr), eps)
+
+        return forward
+
+    def alternatives(self, patch: RmsNormPatch) -> Iterator[tuple[str, RmsNormPatch]]:
+        for scale, cast in itertools.product(Scale, CastOrder):
+            if (scale, cast) != (patch.scale, patch.cast):
+                alt = patch.model_copy(update={"scale": scale, "cast": cast, "precision": Precision.native})
+                yield f"scale: {scale.value}, cast: {cast.value}", alt
+
+
+def _numeric_attrs(module: nn.Module) -> str:
+    names = [k for k, v in vars(module).items() if isinstance(v, float) and not k.startswith("_")]
+    return ", ".join(names) or "none"

@@ -1,0 +1,302 @@
+"""Planning: decide, for one model and one device, what each patch will do. Changes nothing.
+
+Every check that can fail runs here, so that :func:`engine.apply` can refuse before it
+touches the model: the model type, the library version, that every required target
+matches at least one module (or function call site), that the target's forward is the
+one the op expects, and that the chosen kernel runs on the device and imports.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from engine.devices import as_device
+from engine.errors import (
+    DeviceUnsupported,
+    KernelNotFound,
+    MissingDependency,
+    ModelTypeMismatch,
+    TargetNotFound,
+    VersionMismatch,
+)
+from engine.kernels import registry
+from engine.kernels.registry import KernelProvider
+from engine.ops.base import FunctionOp, ModuleOp, get_op
+from engine.schema import Device, FunctionPatch, ModulePatch, OnUnsupported, Patchset
+
+__all__ = ["Decision", "FunctionSite", "Plan", "plan", "resolve_kernel", "Mode"]
+
+Mode = Literal["training", "inference"]
+Action = Literal["patch", "skip"]
+
+
+@dataclass(frozen=True)
+class FunctionSite:
+    """Where a function patch takes effect: the namespace the callers resolve the name in."""
+
+    namespace: str  # module name, e.g. transformers.models.qwen3.modeling_qwen3
+    function: str
+    callers: tuple[str, ...]  # module paths whose forward calls the function
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one module (or one function) under one patch."""
+
+    path: str  # module path in the model, or "<namespace>.<function>"
+    cls: str  # class name, or "function"
+    op: str
+    patch_index: int
+    action: Action
+    kernel: str | None
+    reason: str
+    patch: Any = field(repr=False, compare=False)
+    provider: KernelProvider | None = field(default=None, repr=False, compare=False)
+    site: FunctionSite | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decisions for one model, device and mode. Pure data: applying it is the patcher's job."""
+
+    patchset: Patchset
+    device: Device
+    mode: Mode
+    model_type: str
+    decisions: tuple[Decision, ...]
+
+    @property
+    def patched(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.action == "patch")
+
+    @property
+    def skipped(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.action == "skip")
+
+    def __str__(self) -> str:
+        from engine.report import format_decisions
+
+        head = f"plan {self.patchset.name!r} for {self.model_type} on {self.device.value} ({self.mode})"
+        return head + "\n" + format_decisions(self.decisions)
+
+
+def plan(
+    model: nn.Module,
+    patchset: Patchset | str | dict[str, Any],
+    *,
+    device: str | Device | torch.device | None = None,
+    mode: Mode | None = None,
+) -> Plan:
+    """Decide what applying ``patchset`` to ``model`` would do; the model is not changed.
+
+    Args:
+        model: a transformers model (anything with ``config.model_type`` and submodules).
+        patchset: a Patchset, a bundled name (``"qwen3"``), a path, or a dict.
+        device: the device type to plan for; default: the current accelerator.
+        mode: ``"training"`` (kernels need a backward) or ``"inference"``; default:
+            ``"training"`` if ``model.training`` else ``"inference"``.
+
+    Raises:
+        PatchsetError, ModelTypeMismatch, VersionMismatch, TargetNotFound,
+        SignatureMismatch, DeviceUnsupported, MissingDependency, KernelNotFound.
+    """
+    from engine.loader import load_patchset
+
+    if not isinstance(patchset, Patchset):
+        patchset = load_patchset(patchset)
+    dev = as_device(device)
+    run_mode: Mode = mode or ("training" if model.training else "inference")
+    model_type = _check_model_type(model, patchset)
+    _check_versions(patchset)
+    decisions: list[Decision] = []
+    for index, patch in enumerate(patchset.patches):
+        op = get_op(patch.op)
+        if isinstance(op, ModuleOp):
+            decisions.extend(_plan_module_patch(model, patchset, index, patch, op, dev, run_mode))
+        elif isinstance(op, FunctionOp):
+            decisions.extend(_plan_function_patch(model, patchset, index, patch, op, dev, run_mode))
+        else:  # pragma: no cover - every op is one of the two kinds
+            raise TypeError(f"op {patch.op!r} is neither a module nor a function op")
+    return Plan(patchset=patchset, device=dev, mode=run_mode, model_type=model_type, decisions=tuple(decisions))
+
+
+def _check_model_type(model: nn.Module, patchset: Patchset) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in patchset.model_types:
+        raise ModelTypeMismatch(
+            f"patchset {patchset.name!r} is for model_type {', '.join(patchset.model_types)}; "
+            f"this model ({type(model).__name__}) is {model_type!r}. "
+            "Use the patchset of this model's family, or add the type to model_types once verified."
+        )
+    return str(model_type)
+
+
+def _check_versions(patchset: Patchset) -> None:
+    spec = patchset.requires.transformers
+    if spec is None:
+        return
+    import transformers
+    from packaging.specifiers import SpecifierSet
+
+    installed = transformers.__version__
+    if installed not in SpecifierSet(spec, prereleases=True):
+        raise VersionMismatch(
+            f"patchset {patchset.name!r} requires transformers{spec}; installed is {installed}. "
+            "Install a version in range, or re-verify the patchset and widen `requires`."
+        )
+
+
+def _module_matches(model: nn.Module, target: str) -> list[tuple[str, nn.Module]]:
+    return [(path, m) for path, m in model.named_modules() if type(m).__name__ == target]
+
+
+def _closest_classes(model: nn.Module, name: str) -> str:
+    classes = sorted({type(m).__name__ for m in model.modules()})
+    by_lower = {c.lower(): c for c in classes}
+    close = [by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.75)]
+    if close and close[0].lower() == name.lower():
+        close = close[:1]
+    if close:
+        return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    related = [c for c in classes if any(k in c for k in ("Norm", "MLP", "Attention", "Net"))]
+    return "classes in the model: " + ", ".join(related or classes[:20])
+
+
+def _plan_module_patch(
+    model: nn.Module, patchset: Patchset, index: int, patch: ModulePatch, op: ModuleOp, device: Device, mode: Mode
+) -> Iterator[Decision]:
+    matches = _module_matches(model, patch.target)
+    if not matches:
+        if patch.optional:
+            yield Decision(
+                path="-", cls=patch.target, op=op.name, patch_index=index, action="skip", kernel=None,
+                reason="no module of this class (optional)", patch=patch,
+            )
+            return
+        raise TargetNotFound(
+            f"patches[{index}] ({op.name}) targets class {patch.target!r}, which matches no module of "
+            f"{type(model).__name__}; {_closest_classes(model, patch.target)} "
+            "(set `optional: true` if the class is legitimately absent in some configs)"
+        )
+    for _, module in matches:
+        op.check_target(module, patch)
+    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported)
+    for path, module in matches:
+        yield Decision(
+            path=path, cls=type(module).__name__, op=op.name, patch_index=index,
+            action="patch" if provider else "skip", kernel=provider.name if provider else None,
+            reason=reason, patch=patch, provider=provider,
+        )
+
+
+def _calls_name(cls: type, name: str) -> dict[str, Any] | None:
+    """The globals ``cls.forward`` resolves ``name`` in, if its code (through decorators) names it."""
+    forward = getattr(cls, "forward", None)
+    seen = 0
+    while forward is not None and seen < 16:
+        code = getattr(forward, "__code__", None)
+        if code is not None and name in code.co_names:
+            return forward.__globals__
+        forward = getattr(forward, "__wrapped__", None)
+        seen += 1
+    return None
+
+
+def _plan_function_patch(
+    model: nn.Module, patchset: Patchset, index: int, patch: FunctionPatch, op: FunctionOp, device: Device, mode: Mode
+) -> Iterator[Decision]:
+    sites: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for path, module in model.named_modules():
+        namespace = _calls_name(type(module), patch.function)
+        if namespace is not None and patch.function in namespace:
+            sites.setdefault(namespace["__name__"], (namespace, []))[1].append(path)
+    if not sites:
+        if patch.optional:
+            yield Decision(
+                path=patch.function, cls="function", op=op.name, patch_index=index, action="skip", kernel=None,
+                reason="no module of the model calls it (optional)", patch=patch,
+            )
+            return
+        raise TargetNotFound(
+            f"patches[{index}] ({op.name}) targets function {patch.function!r}, which no module of "
+            f"{type(model).__name__} calls in its forward: patching it would change nothing"
+        )
+    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported)
+    for name, (namespace, callers) in sites.items():
+        op.check_function(_original_function(namespace[patch.function]), patch)
+        site = FunctionSite(namespace=name, function=patch.function, callers=tuple(callers))
+        yield Decision(
+            path=f"{name}.{patch.function}", cls="function", op=op.name, patch_index=index,
+            action="patch" if provider else "skip", kernel=provider.name if provider else None,
+            reason=f"{reason}; called by {len(callers)} modules", patch=patch, provider=provider, site=site,
+        )
+
+
+def _original_function(function: Callable[..., Any]) -> Callable[..., Any]:
+    """See through our own router, if another model already routes this function."""
+    router = getattr(function, "__patch_engine_router__", None)
+    return router.original if router is not None else function
+
+
+def resolve_kernel(
+    op: str, spec: Any, device: Device, mode: Mode, on_unsupported: OnUnsupported
+) -> tuple[KernelProvider | None, str]:
+    """Pick the provider for ``op`` on ``device``: ``(provider or None if skipped, why)``."""
+    choice = spec if isinstance(spec, str) else spec.get(device, "auto")
+    if choice == "auto":
+        return _resolve_auto(op, device, mode)
+    provider = registry.get(choice, op)
+    problem: Exception | None = None
+    if device not in provider.devices:
+        problem = DeviceUnsupported(f"{choice} requires {provider.device_list()}, current accelerator is {device.value}.")
+    elif mode == "training" and not provider.has_backward:
+        problem = DeviceUnsupported(
+            f"{choice} has no backward for {op}, and the plan is for training; "
+            "plan with mode='inference' or choose a kernel with a backward."
+        )
+    else:
+        try:
+            provider.check_dependencies()
+        except MissingDependency as exc:
+            problem = exc
+    if problem is None:
+        return provider, f"{choice} (declared)"
+    if on_unsupported is OnUnsupported.error:
+        raise problem
+    if on_unsupported is OnUnsupported.skip:
+        return None, f"skipped: {problem}"
+    return registry.get("torch", op), f"fallback to torch: {problem}"
+
+
+def _resolve_auto(op: str, device: Device, mode: Mode) -> tuple[KernelProvider, str]:
+    passed: list[str] = []
+    for name in registry.AUTO_ORDER.get(device, ("torch",)):
+        try:
+            provider = registry.get(name, op)
+        except KernelNotFound:
+            continue
+        if device not in provider.devices:
+            continue
+        if mode == "training" and not provider.has_backward:
+            passed.append(f"{name}: no backward")
+            continue
+        try:
+            provider.check_dependencies()
+        except MissingDependency as exc:
+            passed.append(f"{name}: {exc}")
+            continue
+        why = f"auto: first available for {device.value}"
+        return provider, why + (f" (passed over {'; '.join(passed)})" if passed else "")
+    raise KernelNotFound(f"no kernel for op {op!r} runs on {device.value} in {mode}")
+
+
+def signature_of(function: Callable[..., Any]) -> str:
+    return str(inspect.signature(function))

@@ -1,0 +1,85 @@
+"""Human- and machine-readable accounts of what a plan decided and what apply did."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.planner import Decision, Plan
+
+__all__ = ["Report", "format_table", "format_decisions"]
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """An aligned plain-text table."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _grouped(decisions: Iterable["Decision"]) -> list[tuple[str, str, str, str, int, str]]:
+    groups: dict[tuple[str, str, str, str, str], int] = {}
+    for d in decisions:
+        key = (d.cls if d.cls != "function" else d.path, d.op, d.kernel or "-", d.action, d.reason)
+        groups[key] = groups.get(key, 0) + 1
+    return [(t, op, k, a, n, why) for (t, op, k, a, why), n in groups.items()]
+
+
+def format_decisions(decisions: Iterable["Decision"], *, detail: bool = False) -> str:
+    if detail:
+        return format_table(
+            ("module", "class", "op", "kernel", "decision", "why"),
+            ((d.path, d.cls, d.op, d.kernel or "-", d.action, d.reason) for d in decisions),
+        )
+    return format_table(("target", "op", "kernel", "decision", "modules", "why"), _grouped(decisions))
+
+
+@dataclass
+class Report:
+    """What apply did: per module, the op, the kernel and why; what was skipped and why."""
+
+    patchset: str
+    model_type: str
+    device: str
+    mode: str
+    decisions: tuple["Decision", ...]
+    verification: Any = field(default=None)
+
+    @classmethod
+    def from_plan(cls, plan: "Plan") -> "Report":
+        return cls(plan.patchset.name, plan.model_type, plan.device.value, plan.mode, plan.decisions)
+
+    @property
+    def patched(self) -> list[str]:
+        return [d.path for d in self.decisions if d.action == "patch"]
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        return [(d.path, d.reason) for d in self.decisions if d.action == "skip"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "patchset": self.patchset,
+            "model_type": self.model_type,
+            "device": self.device,
+            "mode": self.mode,
+            "decisions": [
+                {"path": d.path, "class": d.cls, "op": d.op, "kernel": d.kernel, "action": d.action, "reason": d.reason}
+                for d in self.decisions
+            ],
+        }
+
+    def table(self, *, detail: bool = False) -> str:
+        return format_decisions(self.decisions, detail=detail)
+
+    def __str__(self) -> str:
+        n = len(self.patched)
+        head = (
+            f"patchset {self.patchset!r} on {self.model_type} ({self.device}, {self.mode}): "
+            f"{n} patched, {len(self.skipped)} skipped"
+        )
+        return head + "\n" + self.table()

@@ -1,0 +1,231 @@
+"""The patchset vocabulary: pydantic models of what a YAML patchset may say.
+
+Nothing but data shapes live here. Every model forbids unknown keys, so a typo such as
+``scael: weight`` is an error instead of a silently dropped setting. Wherever the set of
+values is known, the field is an enumeration, so the JSON Schema (``schemas/``) and the
+error messages can list the valid choices.
+
+Each op has one patch model, selected by the ``op`` key (a discriminated union). Module
+ops name a ``target`` class; function ops name a module-level ``function``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "Device",
+    "OnUnsupported",
+    "Scale",
+    "CastOrder",
+    "Precision",
+    "Activation",
+    "KernelSpec",
+    "Requires",
+    "RmsNormPatch",
+    "SwigluPatch",
+    "RopePatch",
+    "Patch",
+    "ModulePatch",
+    "FunctionPatch",
+    "Patchset",
+]
+
+
+class StrictModel(BaseModel):
+    """Base of every schema model: unknown keys are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class Device(StrEnum):
+    """Accelerator types a kernel can be chosen for."""
+
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+    xpu = "xpu"
+    mps = "mps"
+
+
+class OnUnsupported(StrEnum):
+    """What to do when an explicitly named kernel cannot run on the plan's device."""
+
+    error = "error"  # raise DeviceUnsupported before anything is patched
+    skip = "skip"  # leave that target unpatched, and say so in the report
+    fallback = "fallback"  # use the torch reference kernel, and say so in the report
+
+
+class Scale(StrEnum):
+    """How a norm applies its weight. Declared, never guessed from values or names."""
+
+    weight = "weight"  # y = w * x_hat          (llama, qwen3, mistral, olmo2, ...)
+    one_plus_weight = "one_plus_weight"  # y = (1 + w) * x_hat  (gemma, qwen3_next, qwen3_5, ...)
+
+
+class CastOrder(StrEnum):
+    """Where a norm casts back to the input dtype relative to the weight multiply."""
+
+    llama = "llama"  # normalize in fp32, cast to the input dtype, then multiply by the weight
+    fp32 = "fp32"  # multiply by the weight in fp32, cast to the input dtype last (gemma, olmo2, gpt_oss)
+
+
+class Precision(StrEnum):
+    """Where the kernel's math runs."""
+
+    native = "native"  # as the cast order says
+    fp32 = "fp32"  # force every step into fp32; the output is cast back to the input dtype
+
+
+class Activation(StrEnum):
+    """Gate activations of SwiGLU-style MLPs and gated norms."""
+
+    silu = "silu"
+    sigmoid = "sigmoid"
+
+
+KernelName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        description="A registered kernel provider name (see `patch-engine kernels`).",
+    ),
+]
+
+#: ``auto`` (the first provider that supports the device), one name for every device, or a
+#: map from device to name. Devices missing from the map use ``auto``.
+KernelSpec = Union[Literal["auto"], KernelName, dict[Device, KernelName]]
+
+
+def _check_kernel_names(value: Any) -> Any:
+    """Refuse kernel names no provider is registered under, listing the known ones."""
+    from engine.kernels.registry import kernel_names
+
+    names = [value] if isinstance(value, str) else list(value.values()) if isinstance(value, dict) else []
+    known = kernel_names()
+    for name in names:
+        if name != "auto" and name not in known:
+            raise ValueError(f"unknown kernel {name!r}; known kernels: auto, {', '.join(sorted(known))}")
+    return value
+
+
+class Requires(StrictModel):
+    """Library versions the patchset was written and verified against (PEP 440 ranges)."""
+
+    transformers: str | None = Field(default=None, description="e.g. '>=5.0,<6'")
+
+    @field_validator("transformers")
+    @classmethod
+    def _valid_specifier(cls, value: str | None) -> str | None:
+        if value is not None:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+            try:
+                SpecifierSet(value)
+            except InvalidSpecifier as exc:
+                raise ValueError(f"{value!r} is not a PEP 440 version range such as '>=5.0,<6'") from exc
+        return value
+
+
+class PatchBase(StrictModel):
+    """Settings every patch has, whatever its op."""
+
+    kernel: KernelSpec = Field(default="auto", description="auto, a kernel name, or {device: kernel name}.")
+    optional: bool = Field(
+        default=False,
+        description="Allow the target to match nothing. Off by default: a patch that patches nothing is an error.",
+    )
+
+    @field_validator("kernel")
+    @classmethod
+    def _known_kernels(cls, value: Any) -> Any:
+        return _check_kernel_names(value)
+
+
+class ModulePatch(PatchBase):
+    """A patch that replaces the forward of every module of a class (per instance)."""
+
+    target: str = Field(min_length=1, description="Class name, matched over model.named_modules().")
+
+
+class FunctionPatch(PatchBase):
+    """A patch that replaces a module-level function of the model's modeling module, for this model only."""
+
+    function: str = Field(min_length=1, description="Name of the function in the model's modeling module.")
+
+
+class RmsNormPatch(ModulePatch):
+    """RMSNorm: ``x_hat = x * rsqrt(mean(x^2) + eps)``, then the weight, per ``scale`` and ``cast``."""
+
+    op: Literal["rms_norm"]
+    scale: Scale = Field(description="weight or one_plus_weight: declared, never guessed.")
+    eps_attr: str = Field(default="variance_epsilon", description="Attribute of the module holding eps.")
+    weight_attr: str = Field(default="weight", description="Attribute of the module holding the weight.")
+    cast: CastOrder = Field(default=CastOrder.llama, description="Where the cast back to the input dtype happens.")
+    precision: Precision = Precision.native
+
+
+class SwigluPatch(ModulePatch):
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` with three linear projections."""
+
+    op: Literal["swiglu"]
+    activation: Literal[Activation.silu] = Activation.silu
+    gate_proj: str = "gate_proj"
+    up_proj: str = "up_proj"
+    down_proj: str = "down_proj"
+    act_attr: str = Field(default="act_fn", description="Attribute holding the activation module; checked to be SiLU.")
+
+
+class RopePatch(FunctionPatch):
+    """Rotary embedding applied to q and k: ``x * cos + rotate_half(x) * sin`` (half-split)."""
+
+    op: Literal["rope"]
+    function: str = "apply_rotary_pos_emb"
+
+
+Patch = Annotated[Union[RmsNormPatch, SwigluPatch, RopePatch], Field(discriminator="op")]
+
+
+class TinyModel(StrictModel):
+    """A config for a tiny model of this family, so `patch-engine verify` and tests can build one."""
+
+    model_type: str | None = Field(default=None, description="Defaults to the first of model_types.")
+    config: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of AutoConfig.for_model.")
+
+
+class Patchset(StrictModel):
+    """A named list of patches for one model family."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    extends: str | None = Field(default=None, description="A bundled patchset name or a path; its patches come first.")
+    model_types: list[str] = Field(min_length=1, description="config.model_type values this patchset is for.")
+    requires: Requires = Field(default_factory=Requires)
+    on_unsupported: OnUnsupported = OnUnsupported.error
+    tiny_model: TinyModel | None = None
+    patches: list[Patch] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_targets(self) -> "Patchset":
+        seen: dict[str, int] = {}
+        for i, patch in enumerate(self.patches):
+            key = patch_key(patch)
+            if key in seen:
+                raise ValueError(
+                    f"patches[{i}] targets {key!r}, already targeted by patches[{seen[key]}]; "
+                    "merge them into one patch"
+                )
+            seen[key] = i
+        return self
+
+
+def patch_key(patch: PatchBase) -> str:
+    """What a patch replaces: its target class or its function (unique within a patchset)."""
+    if isinstance(patch, ModulePatch):
+        return patch.target
+    if isinstance(patch, FunctionPatch):
+        return f"function:{patch.function}"
+    raise TypeError(f"not a patch: {patch!r}")

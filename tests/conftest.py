@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny models of each bundled family, and a snapshot of 'exactly as before'."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine.loader import bundled_names, load_patchset  # noqa: E402
+from engine.tiny import build_tiny_model  # noqa: E402
+
+
+def tiny_for(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A tiny, perturbed model of the family a bundled patchset is for."""
+    ps = load_patchset(name)
+    tiny = ps.tiny_model
+    model_type = (tiny.model_type if tiny and tiny.model_type else None) or ps.model_types[0]
+    config = {**(tiny.config if tiny else {}), **overrides}
+    return build_tiny_model(model_type, config, dtype=dtype, seed=seed)
+
+
+@pytest.fixture
+def qwen3() -> torch.nn.Module:
+    return tiny_for("qwen3")
+
+
+@pytest.fixture(scope="session")
+def bundled() -> list[str]:
+    return bundled_names()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip device-marked tests where the device is absent (HF kernels' convention)."""
+    has_cuda = torch.cuda.is_available()
+    has_npu = hasattr(torch, "npu") and torch.npu.is_available()  # type: ignore[attr-defined]
+    for item in items:
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "npu" in item.keywords and not has_npu:
+            item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU"))
