@@ -263,7 +263,8 @@ class _Builder:
                 ):
                     merge_sources.extend(value_node.value)
                 else:
-                    self.errors.append(self.fatal("a merge key '<<' needs a mapping or a list of mappings", key_node, path))
+                    problem = "a merge key '<<' needs a mapping or a list of mappings"
+                    self.errors.append(self.fatal(problem, key_node, path))
                 continue
             key = self.key(key_node, path)
             if key is None:
@@ -330,7 +331,8 @@ def _read_text(path: Path, display: str) -> str:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         bad = data[exc.start : exc.start + 1].hex()
-        raise PatchsetError(f"not valid UTF-8 (byte 0x{bad}); save the file as UTF-8", file=display, line=line) from None
+        problem = f"not valid UTF-8 (byte 0x{bad}); save the file as UTF-8"
+        raise PatchsetError(problem, file=display, line=line) from None
 
 
 def _parse_yaml(text: str, file: str | None) -> tuple[dict, dict[Path_, _Origin]]:
@@ -420,7 +422,9 @@ def _type_at(loc: tuple) -> Any:
         models = [m for m in members if _is_model(m)]
         if len(members) > 1 and isinstance(element, str):
             # a discriminated union's tag, e.g. 'rms_norm'
-            tagged = [m for m in models if any(element in _literal_values(f.annotation) for f in m.model_fields.values())]
+            tagged = [
+                m for m in models if any(element in _literal_values(f.annotation) for f in m.model_fields.values())
+            ]
             if len(tagged) == 1:
                 tp = tagged[0]
                 continue
@@ -712,9 +716,8 @@ def _duplicate_errors(data: dict, origins: dict[Path_, _Origin]) -> list[Patchse
             field = "function" if key.startswith("function:") else "target"
             name = key.split(":", 1)[1] if field == "function" else key
             path: Path_ = ("patches", index) + ((field,) if field in patch else ())
-            errors.append(
-                _error_at(f"duplicate {field} {name!r}, already patched by {at}; merge them into one patch", path, origins)
-            )
+            problem = f"duplicate {field} {name!r}, already patched by {at}; merge them into one patch"
+            errors.append(_error_at(problem, path, origins))
         else:
             seen[key] = index
     return errors

@@ -460,3 +460,15 @@ def test_committed_schema_is_current():
         "`patch-engine schema > schemas/patchset.schema.json` (or `python -c \"from engine.loader import "
         "write_json_schema; write_json_schema('schemas/patchset.schema.json')\"`)"
     )
+
+
+def test_bundled_patchsets_match_the_json_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    import yaml
+
+    validator = jsonschema.Draft202012Validator(json_schema())
+    for name in bundled_names():
+        data = yaml.safe_load((bundled_dir() / f"{name}.yaml").read_text(encoding="utf-8"))
+        assert not list(validator.iter_errors(data)), name
+    data = yaml.safe_load(VALID.replace("scale:", "scael:"))
+    assert list(validator.iter_errors(data))
