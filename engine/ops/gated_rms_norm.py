@@ -182,6 +182,13 @@ class GatedRmsNormOp(ModuleOp):
                 f"{cls.__name__} declares activation {patch.activation.value!r}, but the module's own "
                 f"`activation` attribute is {declared!r}; declare activation: {declared}"
             )
+        before = getattr(module, "norm_before_gate", None)  # falcon_h1 keeps its order in the instance
+        if isinstance(before, bool) and before != (patch.order is GateOrder.norm_then_gate):
+            actual = GateOrder.norm_then_gate if before else GateOrder.gate_then_norm
+            raise SignatureMismatch(
+                f"{cls.__name__} declares order {patch.order.value!r}, but the module's own "
+                f"`norm_before_gate` is {before}; declare order: {actual.value}"
+            )
         eps = getattr(module, patch.eps_attr, None)
         if not isinstance(eps, (float, int)) or isinstance(eps, bool):
             numeric = ", ".join(k for k, v in vars(module).items() if isinstance(v, float) and not k.startswith("_"))
