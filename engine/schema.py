@@ -23,9 +23,11 @@ __all__ = [
     "CastOrder",
     "Precision",
     "Activation",
+    "GateOrder",
     "KernelSpec",
     "Requires",
     "RmsNormPatch",
+    "GatedRmsNormPatch",
     "SwigluPatch",
     "RopePatch",
     "Patch",
@@ -85,6 +87,13 @@ class Activation(StrEnum):
 
     silu = "silu"
     sigmoid = "sigmoid"
+
+
+class GateOrder(StrEnum):
+    """Where a gated norm applies its gate relative to the normalization."""
+
+    norm_then_gate = "norm_then_gate"  # y = norm(x) * act(gate)   (qwen3_next, qwen3_5, kimi_linear, falcon_h1)
+    gate_then_norm = "gate_then_norm"  # y = norm(x * act(gate))   (mamba2, bamba, zamba2, nemotron_h)
 
 
 KernelName = Annotated[
@@ -168,6 +177,40 @@ class RmsNormPatch(ModulePatch):
     precision: Precision = Precision.native
 
 
+class GatedRmsNormPatch(ModulePatch):
+    """Gated RMSNorm: an RMSNorm whose output (or input) is multiplied by ``act(gate)``.
+
+    Every setting that changes the numbers is required: the same hub name ("RMSNormGated")
+    covers three different computations in transformers, and the activation is only
+    visible in an instance attribute.
+    """
+
+    op: Literal["gated_rms_norm"]
+    scale: Scale = Field(description="weight or one_plus_weight: declared, never guessed.")
+    activation: Activation = Field(description="silu or sigmoid: the activation applied to the gate, in fp32.")
+    order: GateOrder = Field(description="norm_then_gate (qwen3_next, kimi_linear) or gate_then_norm (mamba2).")
+    cast: CastOrder = Field(description="llama: cast before the weight multiply; fp32: weight in fp32, cast last.")
+    eps_attr: str = Field(default="variance_epsilon", description="Attribute of the module holding eps.")
+    weight_attr: str = Field(default="weight", description="Attribute of the module holding the weight.")
+    precision: Precision = Precision.native
+    gate_required: bool = Field(
+        default=True,
+        description="A call without a gate raises ValueError; false: gate=None means no gating (mamba2, falcon_h1).",
+    )
+    group_size: int | None = Field(default=None, gt=0, description="Normalize over groups of this many features.")
+    group_size_attr: str | None = Field(default=None, description="Module attribute holding the group size (mamba2).")
+    num_groups_attr: str | None = Field(
+        default=None, description="Module attribute holding the number of groups (falcon_h1: n_groups)."
+    )
+
+    @model_validator(mode="after")
+    def _one_group_setting(self) -> "GatedRmsNormPatch":
+        given = [k for k in ("group_size", "group_size_attr", "num_groups_attr") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"set at most one of group_size, group_size_attr, num_groups_attr (got {', '.join(given)})")
+        return self
+
+
 class SwigluPatch(ModulePatch):
     """Gated MLP: ``down(act(gate(x)) * up(x))`` with three linear projections."""
 
@@ -186,7 +229,7 @@ class RopePatch(FunctionPatch):
     function: str = "apply_rotary_pos_emb"
 
 
-Patch = Annotated[Union[RmsNormPatch, SwigluPatch, RopePatch], Field(discriminator="op")]
+Patch = Annotated[Union[RmsNormPatch, GatedRmsNormPatch, SwigluPatch, RopePatch], Field(discriminator="op")]
 
 
 class TinyModel(StrictModel):

@@ -104,10 +104,13 @@ class RmsNormOp(ModuleOp):
         return forward
 
     def alternatives(self, patch: RmsNormPatch) -> Iterator[tuple[str, RmsNormPatch]]:
+        # Labels name only what differs from the declaration: "scale: weight fits".
         for scale, cast in itertools.product(Scale, CastOrder):
             if (scale, cast) != (patch.scale, patch.cast):
                 alt = patch.model_copy(update={"scale": scale, "cast": cast, "precision": Precision.native})
-                yield f"scale: {scale.value}, cast: {cast.value}", alt
+                changed = [f"scale: {scale.value}"] if scale != patch.scale else []
+                changed += [f"cast: {cast.value}"] if cast != patch.cast else []
+                yield ", ".join(changed), alt
 
 
 def _numeric_attrs(module: nn.Module) -> str:

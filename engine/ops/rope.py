@@ -1,6 +1,7 @@
 """Rotary position embedding: ``x * cos + rotate_half(x) * sin`` for q and k.
 
 Targets the modeling module's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
+The results keep the dtypes of q and k (olmo2 computes in fp32 and casts back).
 The reference also handles partial rotary (``cos`` narrower than the head): the first
 ``cos.shape[-1]`` features are rotated and the rest pass through, as in qwen3_next.
 """
@@ -39,7 +40,9 @@ def rope_reference(
     """The ground truth of the ``rope`` op (half-split rotate, optional partial rotary)."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    # Results keep q's and k's dtypes: olmo2's cos/sin stay fp32 in a bf16 model and it casts
+    # back; where cos/sin already have q's dtype (llama), the cast is a no-op.
+    return _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
 
 
 register(

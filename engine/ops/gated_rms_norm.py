@@ -1,0 +1,226 @@
+"""Gated RMSNorm: an RMSNorm combined with ``act(gate)``, the output norm of linear attention.
+
+transformers has five numerically different gated norms (reference file, section 3). The
+settings of :class:`~engine.schema.GatedRmsNormPatch` reproduce each of them bit-for-bit in
+bf16, following transformers' own expressions step for step:
+
+=============  ==========  ==============  ==========  ============================================
+formula        activation  order           cast        classes
+=============  ==========  ==============  ==========  ============================================
+G_QNEXT        silu        norm_then_gate  llama       Qwen3Next/Qwen3_5/Qwen3_5Moe/OlmoHybrid...Gated
+G_F32W_SIG     sigmoid     norm_then_gate  fp32        KimiLinear/BailingHybrid/Glm5NextText...Gated
+G_F32W_SILU    silu        norm_then_gate  fp32        LaraMiniRMSNormGated
+G_MAMBA2       silu        gate_then_norm  llama       Mamba/Bamba/GraniteMoeHybrid/NemotronH/Zamba2
+                                                       (+ ``group_size_attr: group_size``)
+G_FALCONH1     silu        either          fp32        FalconH1RMSNormGated (+ ``num_groups_attr``)
+=============  ==========  ==============  ==========  ============================================
+
+In every variant the gate's activation runs in fp32 (``act(gate.float())``), and
+``1 + w`` (if declared) is formed in fp32. The cast orders:
+
+* ``llama``: ``w * x_hat.to(in_dtype)``; a gate applied after the norm then multiplies in
+  fp32 and the product is cast to the input dtype (G_QNEXT). With the gate before the norm
+  there is no final cast, as in mamba2 (the result dtype is the promotion of ``w`` and x).
+* ``fp32`` (or ``precision: fp32``): ``(w.float() * x_hat [* act(gate)]).to(in_dtype)``.
+
+The kernel signature is ``impl(x, gate, weight, eps, group_size=None)``; ``gate=None``
+means no gating (the bound forward raises before that when the gate is required).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import SignatureMismatch
+from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
+from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
+from engine.ops.rms_norm import effective_weight
+from engine.schema import Activation, CastOrder, GatedRmsNormPatch, GateOrder, Precision, Scale
+
+__all__ = ["GatedRmsNormOp", "gated_rms_norm_reference", "gate_missing_message", "GATE_PARAM"]
+
+#: The name of the gate parameter in every gated norm of transformers 5.24 (16 classes).
+GATE_PARAM = "gate"
+
+_ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
+    Activation.silu: torch.nn.functional.silu,
+    Activation.sigmoid: torch.sigmoid,
+}
+
+
+def gate_missing_message(cls_name: str) -> str:
+    """The runtime error for a required gate that is ``None`` (a fixed contract, tested verbatim)."""
+    return f"{cls_name} requires a gate tensor for gated RMSNorm."
+
+
+def _normalize(xf: torch.Tensor, eps: float, group_size: int | None) -> torch.Tensor:
+    """``xf * rsqrt(mean(xf^2) + eps)`` over the last dim, or over groups of ``group_size`` features."""
+    if group_size is None or group_size == xf.shape[-1]:
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    *prefix, last = xf.shape
+    grouped = xf.view(*prefix, last // group_size, group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return grouped.view(*prefix, last)
+
+
+def gated_rms_norm_reference(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int | None = None,
+    *,
+    scale: Scale = Scale.weight,
+    activation: Activation = Activation.silu,
+    order: GateOrder = GateOrder.norm_then_gate,
+    cast: CastOrder = CastOrder.llama,
+    precision: Precision = Precision.native,
+) -> torch.Tensor:
+    """The ground truth of the ``gated_rms_norm`` op (see the module docstring)."""
+    in_dtype = x.dtype
+    act = _ACTIVATIONS[activation]
+    xf = x.to(torch.float32)
+    if gate is not None and order is GateOrder.gate_then_norm:
+        xf = xf * act(gate.to(torch.float32))
+    x_hat = _normalize(xf, eps, group_size)
+    w = effective_weight(weight, scale)
+    gate_after = gate is not None and order is GateOrder.norm_then_gate
+    if cast is CastOrder.llama and precision is Precision.native:
+        y = w * x_hat.to(in_dtype)
+        if not gate_after:
+            return y
+        return (y * act(gate.to(torch.float32))).to(in_dtype)  # type: ignore[union-attr]
+    y = w.to(torch.float32) * x_hat
+    if gate_after:
+        y = y * act(gate.to(torch.float32))  # type: ignore[union-attr]
+    return y.to(in_dtype)
+
+
+def _build_torch(patch: GatedRmsNormPatch) -> Callable[..., torch.Tensor]:
+    return partial(
+        gated_rms_norm_reference,
+        scale=patch.scale,
+        activation=patch.activation,
+        order=patch.order,
+        cast=patch.cast,
+        precision=patch.precision,
+    )
+
+
+register(
+    KernelProvider(
+        name="torch",
+        op="gated_rms_norm",
+        devices=ALL_DEVICES,
+        build=_build_torch,
+        description="torch reference (the ground truth), every device",
+    )
+)
+
+
+def _group_size(module: nn.Module, patch: GatedRmsNormPatch, width: int) -> int | None:
+    """The group size the patch declares for this module, checked to divide the weight's width."""
+    cls = type(module).__name__
+    if patch.group_size is not None:
+        size = patch.group_size
+    elif patch.group_size_attr is not None:
+        size = _int_attr(module, patch.group_size_attr, "group_size_attr")
+    elif patch.num_groups_attr is not None:
+        groups = _int_attr(module, patch.num_groups_attr, "num_groups_attr")
+        if groups <= 0 or width % groups:
+            raise SignatureMismatch(f"{cls}.{patch.num_groups_attr} = {groups} does not divide the width {width}")
+        size = width // groups
+    else:
+        return None
+    if size <= 0 or width % size:
+        raise SignatureMismatch(f"{cls}: group size {size} does not divide the width {width} of its weight")
+    return size
+
+
+def _int_attr(module: nn.Module, name: str, setting: str) -> int:
+    value = getattr(module, name, None)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SignatureMismatch(f"{type(module).__name__} has no integer attribute {name!r} ({setting})")
+    return value
+
+
+@register_op
+class GatedRmsNormOp(ModuleOp):
+    """Replace a gated RMSNorm's ``forward(hidden_states, gate)`` with ``kernel(x, gate, weight, eps)``."""
+
+    name = "gated_rms_norm"
+    patch_type = GatedRmsNormPatch
+
+    def check_target(self, module: nn.Module, patch: GatedRmsNormPatch) -> None:
+        cls = type(module)
+        params = forward_parameters(cls)
+        names = [p.name for p in params]
+        if GATE_PARAM not in names:
+            raise SignatureMismatch(
+                f"gated_rms_norm cannot replace {describe_signature(cls)}: {cls.__name__}.forward has no "
+                f"{GATE_PARAM!r} parameter, so the gate would be silently dropped. "
+                "Use op: rms_norm for an ungated norm, or target the gated class."
+            )
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        others = [p for p in params if p.name != GATE_PARAM]
+        required = [p for p in others if p.default is inspect.Parameter.empty and p.kind in positional]
+        if len(required) != 1 or names.index(GATE_PARAM) != 1:
+            raise SignatureMismatch(
+                f"gated_rms_norm cannot replace {describe_signature(cls)}: it expects "
+                f"forward(hidden_states, {GATE_PARAM}), one tensor then the gate"
+            )
+        declared = getattr(module, "activation", None)
+        if isinstance(declared, str) and declared in Activation.__members__ and declared != patch.activation.value:
+            raise SignatureMismatch(
+                f"{cls.__name__} declares activation {patch.activation.value!r}, but the module's own "
+                f"`activation` attribute is {declared!r}; declare activation: {declared}"
+            )
+        before = getattr(module, "norm_before_gate", None)  # falcon_h1 keeps its order in the instance
+        if isinstance(before, bool) and before != (patch.order is GateOrder.norm_then_gate):
+            actual = GateOrder.norm_then_gate if before else GateOrder.gate_then_norm
+            raise SignatureMismatch(
+                f"{cls.__name__} declares order {patch.order.value!r}, but the module's own "
+                f"`norm_before_gate` is {before}; declare order: {actual.value}"
+            )
+        eps = getattr(module, patch.eps_attr, None)
+        if not isinstance(eps, (float, int)) or isinstance(eps, bool):
+            numeric = ", ".join(k for k, v in vars(module).items() if isinstance(v, float) and not k.startswith("_"))
+            raise SignatureMismatch(
+                f"{cls.__name__} has no numeric attribute {patch.eps_attr!r} (eps_attr); "
+                f"numeric attributes it has: {numeric or 'none'}"
+            )
+        weight = getattr(module, patch.weight_attr, None)
+        if not isinstance(weight, torch.Tensor):
+            raise SignatureMismatch(f"{cls.__name__} has no tensor attribute {patch.weight_attr!r} (weight_attr)")
+        _group_size(module, patch, weight.shape[-1])
+
+    def bind(self, module: nn.Module, patch: GatedRmsNormPatch, impl: Callable[..., Any]) -> Callable[..., Any]:
+        eps = float(getattr(module, patch.eps_attr))
+        weight_attr = patch.weight_attr
+        group_size = _group_size(module, patch, getattr(module, weight_attr).shape[-1])
+        missing = gate_missing_message(type(module).__name__)  # once, not on the hot path
+        required = patch.gate_required
+
+        def forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+            if gate is None and required:
+                raise ValueError(missing)
+            return impl(hidden_states, gate, getattr(self, weight_attr), eps, group_size)
+
+        return forward
+
+    def alternatives(self, patch: GatedRmsNormPatch) -> Iterator[tuple[str, GatedRmsNormPatch]]:
+        declared = (patch.activation, patch.order, patch.scale, patch.cast)
+        keys = ("activation", "order", "scale", "cast")
+        for combo in itertools.product(Activation, GateOrder, Scale, CastOrder):
+            if combo == declared:
+                continue
+            update = dict(zip(keys, combo, strict=True))
+            label = ", ".join(f"{k}: {v.value}" for k, v, d in zip(keys, combo, declared, strict=True) if v != d)
+            yield label, patch.model_copy(update={**update, "precision": Precision.native})
