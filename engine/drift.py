@@ -90,10 +90,12 @@ def signature_changes(expected: str, found: str) -> list[str]:
     want_by, got_by = {p.name: p for p in want}, {p.name: p for p in got}
     removed = [p.name for p in want if p.name not in got_by]
     added = [p.name for p in got if p.name not in want_by]
+    pairs: list[tuple[Param, Param]] = []
     if len(removed) == len(added) == 1 and [p.name for p in want].index(removed[0]) == [
         p.name for p in got
     ].index(added[0]):
         changes.append(f"parameter {removed[0]!r} renamed to {added[0]!r}")
+        pairs.append((want_by[removed[0]], got_by[added[0]]))
     else:
         changes += [f"parameter {n!r} removed" for n in removed]
         changes += [f"parameter {n!r} added" for n in added]
@@ -101,8 +103,9 @@ def signature_changes(expected: str, found: str) -> list[str]:
     common_got = [p.name for p in got if p.name in want_by]
     if common_want != common_got:
         changes.append(f"parameters reordered: ({', '.join(common_want)}) -> ({', '.join(common_got)})")
-    for name in common_want:
-        a, b = want_by[name], got_by[name]
+    pairs = [(want_by[n], got_by[n]) for n in common_want] + pairs
+    for a, b in pairs:
+        name = b.name
         if a.kind != b.kind:
             changes.append(f"{name!r} became {b.kind} (was {a.kind})")
         if a.annotation != b.annotation:
