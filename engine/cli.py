@@ -99,13 +99,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.loader import load_patchset
-    from engine.patcher import apply
+    from engine.patcher import apply, revert
     from engine.verify import verify
 
     ps = load_patchset(args.patchset)
     model = _tiny_model_for(ps, args.model_type, args.dtype)
     applied = apply(model, ps, device=args.device or "cpu")
-    report = verify(model, raise_on_failure=False)
+    try:
+        report = verify(model, raise_on_failure=False)
+    finally:
+        revert(model)  # releases function routers (matters when main() runs inside a process)
     if args.json:
         data = {"ok": report.passed, "patchset": ps.name, "model_type": applied.model_type,
                 "model": type(model).__name__, "device": applied.device, **report.to_dict()}

@@ -273,11 +273,15 @@ def verify(
             message names each failing module path and class, the declared settings, and
             the alternative settings that would have matched. ``exc.report`` has every check.
     """
-    from engine.patcher import STATE_ATTR, apply
+    from engine.patcher import STATE_ATTR, apply, revert
 
     if patchset is not None and STATE_ATTR not in model.__dict__:
-        model = copy.deepcopy(model)
-        apply(model, patchset, **apply_kwargs)
+        twin = copy.deepcopy(model)
+        apply(twin, patchset, **apply_kwargs)
+        try:
+            return verify(twin, batch=batch, check_model=check_model, raise_on_failure=raise_on_failure)
+        finally:
+            revert(twin)  # releases its function routers: the copy must not keep them installed
     state = model.__dict__.get(STATE_ATTR)
     if state is None:
         raise ValueError("the model is not patched; pass a patchset or call engine.apply first")

@@ -136,10 +136,16 @@ def _outputs(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=probe_batch(model)["input_ids"]).logits
 
 
-def _assert_untouched(model: torch.nn.Module, before: dict, logits: torch.Tensor) -> None:
+def _router_state() -> tuple:
+    """The rope router of qwen3 and its user count (other tests' models may hold one)."""
+    router = routing.router_for(modeling_qwen3.__name__, "apply_rotary_pos_emb")
+    return (router, router.users if router else 0, modeling_qwen3.apply_rotary_pos_emb)
+
+
+def _assert_untouched(model: torch.nn.Module, before: dict, logits: torch.Tensor, routers: tuple) -> None:
     assert_same(before, snapshot(model))
     assert not engine.is_patched(model)
-    assert routing.router_for(modeling_qwen3.__name__, "apply_rotary_pos_emb") is None
+    assert _router_state() == routers
     assert torch.equal(_outputs(model), logits)
 
 
@@ -169,11 +175,11 @@ def test_provider_failing_on_its_third_build_changes_nothing(qwen3, flaky_provid
     ps = engine.load_patchset("qwen3").model_dump(mode="json")
     for patch in ps["patches"]:
         patch["kernel"] = "flaky"
-    before, logits = snapshot(qwen3), _outputs(qwen3)
+    before, logits, routers = snapshot(qwen3), _outputs(qwen3), _router_state()
     with pytest.raises(RuntimeError, match="flaky: build failed for rope"):
         engine.apply(qwen3, ps, device="cpu")
     assert flaky_provider == ["rms_norm", "swiglu", "rope"]
-    _assert_untouched(qwen3, before, logits)
+    _assert_untouched(qwen3, before, logits, routers)
 
 
 def test_bind_failing_on_the_third_module_changes_nothing(qwen3, monkeypatch) -> None:
@@ -188,11 +194,11 @@ def test_bind_failing_on_the_third_module_changes_nothing(qwen3, monkeypatch) ->
         return real_bind(self, module, patch, impl)
 
     monkeypatch.setattr(RmsNormOp, "bind", bind)
-    before, logits = snapshot(qwen3), _outputs(qwen3)
+    before, logits, routers = snapshot(qwen3), _outputs(qwen3), _router_state()
     with pytest.raises(RuntimeError, match="bind failed on the third module"):
         engine.apply(qwen3, "qwen3", device="cpu")
     assert seen_patched == [False, False, False]
-    _assert_untouched(qwen3, before, logits)
+    _assert_untouched(qwen3, before, logits, routers)
 
 
 @pytest.mark.parametrize("stage", ["_set_forward_step", "_route_caller_step"])
@@ -214,9 +220,9 @@ def test_mutation_failing_midway_is_rolled_back(qwen3, monkeypatch, stage: str) 
         return run
 
     monkeypatch.setattr(patcher, stage, faulty)
-    before, logits = snapshot(qwen3), _outputs(qwen3)
+    before, logits, routers = snapshot(qwen3), _outputs(qwen3), _router_state()
     with pytest.raises(RuntimeError, match=f"injected fault in {stage}"):
         engine.apply(qwen3, "qwen3", device="cpu")
     # the fault really came after changes: 2 norms, or 11 modules and the first routed caller
     assert state["changed_before_fault"] == (2 if stage == "_set_forward_step" else 12)
-    _assert_untouched(qwen3, before, logits)
+    _assert_untouched(qwen3, before, logits, routers)

@@ -16,9 +16,11 @@ from conftest import tiny_for
 from snapshots import assert_same, snapshot
 
 import engine
+from engine import routing
 from engine.tiny import build_tiny_model
 from engine.schema import Activation
 from engine.verify import Check
+from transformers.models.qwen3 import modeling_qwen3
 
 
 def _rms(target: str, **settings: str) -> dict:
@@ -140,8 +142,12 @@ def test_a_function_never_called_is_a_failure() -> None:
 
 
 def test_report_table_and_dict(qwen3: torch.nn.Module) -> None:
+    router = routing.router_for(modeling_qwen3.__name__, "apply_rotary_pos_emb")
+    users = router.users if router else 0
     report = engine.verify(qwen3, "qwen3", device="cpu")
-    assert not engine.is_patched(qwen3)  # verify(model, patchset) works on a copy
+    assert not engine.is_patched(qwen3)  # verify(model, patchset) works on a copy...
+    after = routing.router_for(modeling_qwen3.__name__, "apply_rotary_pos_emb")
+    assert (after.users if after else 0) == users  # ...and reverts it: no router left behind
     lines = str(report).splitlines()
     assert lines[0] == (
         "verification passed: 12 patched modules and functions, 27 checks, model dtype fp32, "
