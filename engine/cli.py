@@ -1,7 +1,8 @@
 """``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, demo, kernels.
 
 Exit codes: 0 ok, 1 a check failed (invalid patchset, plan refused, verification
-failed), 2 usage error (bad arguments).
+failed), 2 usage error (bad arguments: unknown option, device or model type). With
+``--json`` a refusal is also printed to stdout as ``{"ok": false, "error": ..., "type": ...}``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,32 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from engine.loader import load_patchset
 
     failed = 0
+    results = []
     for path in args.files:
         try:
             ps = load_patchset(path)
         except PatchError as exc:
             failed += 1
-            print(exc, file=sys.stderr)
+            problems = getattr(exc, "errors", None) or [exc]
+            results.append({"file": path, "ok": False, "errors": [_error_dict(e) for e in problems]})
+            if not args.json:
+                print(exc, file=sys.stderr)
         else:
-            if not args.quiet:
+            results.append({"file": path, "ok": True, "name": ps.name, "patches": len(ps.patches)})
+            if not args.quiet and not args.json:
                 print(f"{path}: ok ({ps.name}, {len(ps.patches)} patches)")
+    if args.json:
+        print(json.dumps({"ok": not failed, "files": results}, indent=2))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _error_dict(exc: Exception) -> dict[str, Any]:
+    """An error as data: its type and text, and for a patchset error its file, line and key."""
+    data: dict[str, Any] = {"type": type(exc).__name__, "error": str(exc)}
+    for attr in ("file", "line", "key", "problem"):
+        if hasattr(exc, attr):
+            data[attr] = getattr(exc, attr)
+    return data
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -49,6 +66,14 @@ def _tiny_model_for(patchset: Any, model_type: str | None, dtype: str) -> Any:
 
     tiny = patchset.tiny_model
     mt = model_type or (tiny.model_type if tiny and tiny.model_type else patchset.model_types[0])
+    from transformers import CONFIG_MAPPING
+
+    if mt not in CONFIG_MAPPING:
+        import difflib
+
+        close = difflib.get_close_matches(mt, list(CONFIG_MAPPING.keys()), n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"unknown model type {mt!r} (not a transformers config model_type){hint}")
     config = tiny.config if tiny else {}
     return build_tiny_model(mt, config, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
 
@@ -74,14 +99,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.loader import load_patchset
-    from engine.patcher import apply
+    from engine.patcher import apply, revert
     from engine.verify import verify
 
     ps = load_patchset(args.patchset)
     model = _tiny_model_for(ps, args.model_type, args.dtype)
-    apply(model, ps, device=args.device or "cpu")
-    report = verify(model, raise_on_failure=False)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    applied = apply(model, ps, device=args.device or "cpu")
+    try:
+        report = verify(model, raise_on_failure=False)
+    finally:
+        revert(model)  # releases function routers (matters when main() runs inside a process)
+    if args.json:
+        data = {"ok": report.passed, "patchset": ps.name, "model_type": applied.model_type,
+                "model": type(model).__name__, "device": applied.device, **report.to_dict()}
+        print(json.dumps(data, indent=2))
+    else:
+        print(f"verify {ps.name!r} on a tiny {applied.model_type} ({type(model).__name__}, {applied.device})")
+        print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
     return EXIT_OK if report.passed else EXIT_FAILED
 
 
@@ -111,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="validate patchset files against the schema")
     p.add_argument("files", nargs="+")
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid files")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("schema", help="print the JSON Schema of patchsets")
@@ -130,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--mode", choices=("training", "inference"), default="training")
             p.add_argument("--detail", action="store_true", help="one row per module")
         else:
-            p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+            p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the tiny model")
+            p.add_argument("--detail", action="store_true", help="also one row per check")
         p.set_defaults(func=func)
 
     p = sub.add_parser("demo", help="patch a small Qwen3 on this device; compare numbers and time")
@@ -152,11 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except PatchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _report_error(args, exc, "error")
         return EXIT_FAILED
-    except ValueError as exc:  # bad argument values (e.g. unknown device)
-        print(f"usage error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # bad argument values (e.g. unknown device or model type)
+        _report_error(args, exc, "usage error")
         return EXIT_USAGE
+
+
+def _report_error(args: argparse.Namespace, exc: Exception, kind: str) -> None:
+    print(f"{kind}: {exc}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, **_error_dict(exc)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -89,4 +89,10 @@ class AlreadyPatched(PatchError, RuntimeError):
 
 
 class VerificationFailed(PatchError, AssertionError):
-    """A patched module or model does not compute what the original computed."""
+    """A patched module or model does not compute what the original computed.
+
+    Attributes:
+        report: the :class:`engine.verify.VerifyReport` with every check (``None`` if not set).
+    """
+
+    report = None

@@ -35,6 +35,7 @@ from engine.schema import Patch, Patchset
 
 __all__ = [
     "load_patchset",
+    "patch_location",
     "bundled_dir",
     "bundled_names",
     "resolve",
@@ -810,7 +811,24 @@ def _finish(
         errors.extend(_validation_errors(exc, data, origins, have_duplicates=bool(errors)))
     if errors:
         raise _combine(errors, files)
+    patchset._origins = {
+        path[1:]: origin for path, origin in origins.items() if len(path) in (2, 3) and path[0] == "patches"
+    }
     return patchset
+
+
+def patch_location(patchset: Patchset, index: int, key: str | None = None) -> str:
+    """``file:line: `` where ``patches[index]`` (or its ``key``) is written; ``""`` if not from a file.
+
+    The planner prefixes its errors with it, so a refusal points at the offending patch.
+    """
+    origins = patchset._origins
+    file, line = origins.get((index, key), (None, None)) if key else (None, None)
+    if file is None:
+        file, line = origins.get((index,), (None, None))
+    if file is None:
+        return ""
+    return f"{file}:{line}: " if line is not None else f"{file}: "
 
 
 def load_patchset(source: str | os.PathLike | dict) -> Patchset:

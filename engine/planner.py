@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,6 +24,8 @@ from engine.errors import (
     KernelNotFound,
     MissingDependency,
     ModelTypeMismatch,
+    PatchError,
+    SignatureMismatch,
     TargetNotFound,
     VersionMismatch,
 )
@@ -118,12 +121,15 @@ def plan(
     decisions: list[Decision] = []
     for index, patch in enumerate(patchset.patches):
         op = get_op(patch.op)
-        if isinstance(op, ModuleOp):
-            decisions.extend(_plan_module_patch(model, patchset, index, patch, op, dev, run_mode))
-        elif isinstance(op, FunctionOp):
-            decisions.extend(_plan_function_patch(model, patchset, index, patch, op, dev, run_mode))
-        else:  # pragma: no cover - every op is one of the two kinds
-            raise TypeError(f"op {patch.op!r} is neither a module nor a function op")
+        try:
+            if isinstance(op, ModuleOp):
+                decisions.extend(_plan_module_patch(model, patchset, index, patch, op, dev, run_mode))
+            elif isinstance(op, FunctionOp):
+                decisions.extend(_plan_function_patch(model, patchset, index, patch, op, dev, run_mode))
+            else:  # pragma: no cover - every op is one of the two kinds
+                raise TypeError(f"op {patch.op!r} is neither a module nor a function op")
+        except PatchError as exc:
+            raise _located(exc, patchset, index) from None
     return Plan(patchset=patchset, device=dev, mode=run_mode, model_type=model_type, decisions=tuple(decisions))
 
 
@@ -154,16 +160,69 @@ def _check_versions(patchset: Patchset) -> None:
         )
 
 
+def _located(exc: PatchError, patchset: Patchset, index: int) -> PatchError:
+    """``exc`` with its message prefixed by ``file:line:`` of the patch it is about (if from a file)."""
+    from engine.loader import patch_location
+
+    key = getattr(exc, "patch_key", None) or _ERROR_KEYS.get(type(exc))
+    where = patch_location(patchset, index, key)
+    if where and exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(where):
+        exc.args = (where + exc.args[0], *exc.args[1:])
+    return exc
+
+
+#: The patch key an error is about, to point at its line rather than the patch's first line.
+_ERROR_KEYS: dict[type, str] = {
+    DeviceUnsupported: "kernel",
+    MissingDependency: "kernel",
+    KernelNotFound: "kernel",
+}
+
+
+def _check_drift(patch: Any, what: str, function: Callable[..., Any]) -> None:
+    """Refuse when the patch pins a signature and the installed ``function`` has another."""
+    if patch.signature is None:
+        return
+    from engine.drift import signature_changes, signature_text
+
+    found = signature_text(function)
+    changes = signature_changes(patch.signature, found)
+    if changes:
+        import transformers
+
+        error = SignatureMismatch(
+            f"{what} has drifted from the pinned signature: expected {patch.signature}, found {found} "
+            f"({'; '.join(changes)}) in transformers {transformers.__version__}. "
+            "Re-verify the patch against this version (patch-engine verify) and update `signature`, "
+            "or install a transformers version that matches the pin."
+        )
+        error.patch_key = "signature"  # type: ignore[attr-defined]  (the line to point at)
+        raise error
+
+
 def _module_matches(model: nn.Module, target: str) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in model.named_modules() if type(m).__name__ == target]
 
 
+def _words(name: str) -> set[str]:
+    """CamelCase, digits and underscores split into lower-case words: ``RMSNormGated`` -> rms, norm, gated."""
+    return {w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)}
+
+
+def _similarity(a: str, b: str) -> float:
+    """The better of character similarity and word-set overlap, so reordered words still match
+    (``Qwen3_5GatedRMSNorm`` vs ``Qwen3_5RMSNormGated``)."""
+    chars = difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
+    wa, wb = _words(a), _words(b)
+    words = len(wa & wb) / len(wa | wb) if wa | wb else 0.0
+    return max(chars, words)
+
+
 def _closest_classes(model: nn.Module, name: str) -> str:
     classes = sorted({type(m).__name__ for m in model.modules()})
-    by_lower = {c.lower(): c for c in classes}
-    close = [by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.75)]
-    if close and close[0].lower() == name.lower():
-        close = close[:1]
+    exact = [c for c in classes if c.lower() == name.lower()]
+    scored = sorted(((_similarity(name, c), c) for c in classes), key=lambda sc: (-sc[0], sc[1]))
+    close = exact or [c for score, c in scored if score >= 0.75][:3]
     if close:
         return "did you mean " + " or ".join(repr(c) for c in close) + "?"
     related = [c for c in classes if any(k in c for k in ("Norm", "MLP", "Attention", "Net"))]
@@ -186,6 +245,8 @@ def _plan_module_patch(
             f"{type(model).__name__}; {_closest_classes(model, patch.target)} "
             "(set `optional: true` if the class is legitimately absent in some configs)"
         )
+    for cls in dict.fromkeys(type(module) for _, module in matches):
+        _check_drift(patch, f"{cls.__name__}.forward", cls.forward)
     for _, module in matches:
         op.check_target(module, patch)
     provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported)
@@ -231,7 +292,9 @@ def _plan_function_patch(
         )
     provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported)
     for name, (namespace, callers) in sites.items():
-        op.check_function(_original_function(namespace[patch.function]), patch)
+        original = _original_function(namespace[patch.function])
+        _check_drift(patch, f"{name}.{patch.function}", original)
+        op.check_function(original, patch)
         site = FunctionSite(namespace=name, function=patch.function, callers=tuple(callers))
         yield Decision(
             path=f"{name}.{patch.function}", cls="function", op=op.name, patch_index=index,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 __all__ = [
     "Device",
@@ -147,11 +147,28 @@ class PatchBase(StrictModel):
         default=False,
         description="Allow the target to match nothing. Off by default: a patch that patches nothing is an error.",
     )
+    signature: str | None = Field(
+        default=None,
+        description=(
+            "Pin of the target's forward (or function) signature as inspect.signature prints it, e.g. "
+            "'(self, hidden_states: torch.Tensor) -> torch.Tensor'. The planner refuses when the installed "
+            "library's differs, and says what changed."
+        ),
+    )
 
     @field_validator("kernel")
     @classmethod
     def _known_kernels(cls, value: Any) -> Any:
         return _check_kernel_names(value)
+
+    @field_validator("signature")
+    @classmethod
+    def _parsable_signature(cls, value: str | None) -> str | None:
+        if value is not None:
+            from engine.drift import parse_signature
+
+            parse_signature(value)  # ValueError says what a signature looks like
+        return value
 
 
 class ModulePatch(PatchBase):
@@ -250,6 +267,10 @@ class Patchset(StrictModel):
     on_unsupported: OnUnsupported = OnUnsupported.error
     tiny_model: TinyModel | None = None
     patches: list[Patch] = Field(default_factory=list)
+
+    #: Where each patch is written, set by the loader: ``{(index,) or (index, key): (file, line)}``.
+    #: Private (not data): planner errors use it to point at the offending patch.
+    _origins: dict[tuple[Any, ...], tuple[str | None, int | None]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _unique_targets(self) -> "Patchset":

@@ -32,7 +32,7 @@ from engine.kernels import registry
 from engine.ops.base import ModuleOp, get_op
 from engine.report import format_table
 
-__all__ = ["Check", "VerifyReport", "verify", "compare", "TOLERANCES", "probe_batch", "compare_models"]
+__all__ = ["Check", "VerifyReport", "verify", "compare", "TOLERANCES", "probe_batch", "compare_models", "MODEL"]
 
 #: (atol, rtol) per dtype for kernel-vs-original comparisons (torch.testing's defaults).
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -42,26 +42,52 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (1e-5, 1e-3),
 }
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+#: The ``path`` of whole-model checks.
+MODEL = "<model>"
 
 
 @dataclass
 class Check:
-    """One comparison: a module (or function, or the whole model) in one dtype."""
+    """One comparison: a module (or function, or the whole model) in one dtype.
+
+    ``what`` is ``declaration`` (the op's reference with the declared settings vs the
+    original forward: must be bit-exact, or no alternative may fit better), ``kernel`` (the
+    chosen kernel vs the original, within :data:`TOLERANCES`), ``called`` (the target ran
+    at all), or, for ``<model>``, ``logits``, ``loss`` and ``grads``.
+    """
 
     path: str
     cls: str
     op: str
-    what: str  # "declaration", "kernel <name>", "logits", "loss", "grad <name>"
+    what: str
     dtype: str
     max_abs: float
     max_rel: float
     passed: bool
     note: str = ""
+    kernel: str = "-"
+
+
+def _num(x: float) -> str:
+    if x == 0:
+        return "0"
+    if x == float("inf"):
+        return "inf"
+    return f"{x:.1e}"
+
+
+def _short(path: str) -> str:
+    """A function patch's path without the ``transformers.models.`` every one of them starts with."""
+    return path.removeprefix("transformers.models.")
 
 
 @dataclass
 class VerifyReport:
+    """Every check of one verification, with a per-module table for people and a dict for machines."""
+
     checks: list[Check] = field(default_factory=list)
+    model_dtype: str = "fp32"
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
 
     @property
     def passed(self) -> bool:
@@ -71,22 +97,73 @@ class VerifyReport:
     def failures(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
-    def table(self) -> str:
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per patched module or function (worst error per dtype), then one per model check."""
+        rows: dict[str, dict[str, Any]] = {}
+        for c in self.checks:
+            key = c.path if c.path != MODEL else f"{MODEL} {c.what.split(' ')[0]}"
+            row = rows.setdefault(key, {"module": key, "class": c.cls, "op": c.op, "kernel": c.kernel,
+                                        "errors": {}, "passed": True, "notes": []})
+            if c.kernel != "-":
+                row["kernel"] = c.kernel
+            if c.dtype in self.dtypes or c.dtype == self.model_dtype:
+                worst = row["errors"].get(c.dtype, (0.0, 0.0))
+                row["errors"][c.dtype] = (max(worst[0], c.max_abs), max(worst[1], c.max_rel))
+            row["passed"] = row["passed"] and c.passed
+            if c.note and c.note not in row["notes"] and (not c.passed or c.path == MODEL):
+                row["notes"].append(c.note)
+        return list(rows.values())
+
+    def table(self, *, detail: bool = False) -> str:
+        """An aligned table: one row per module (``detail``: one row per check)."""
+        if detail:
+            return format_table(
+                ("module", "class", "op", "kernel", "check", "dtype", "max abs", "max rel", "result", "note"),
+                ((c.path, c.cls, c.op, c.kernel, c.what, c.dtype, _num(c.max_abs), _num(c.max_rel),
+                  "ok" if c.passed else "FAIL", c.note) for c in self.checks),
+            )
+        dtypes = list(dict.fromkeys((*self.dtypes, self.model_dtype)))
+        body = []
+        for row in self.rows():
+            errs = [row["errors"].get(dt) for dt in dtypes]
+            cells = [f"{_num(e[0])} / {_num(e[1])}" if e else "-" for e in errs]
+            body.append((_short(row["module"]), row["class"], row["op"], row["kernel"], *cells,
+                         "ok" if row["passed"] else "FAIL", "; ".join(row["notes"])))
         return format_table(
-            ("module", "class", "op", "check", "dtype", "max abs", "max rel", "result", "note"),
-            (
-                (c.path, c.cls, c.op, c.what, c.dtype, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}",
-                 "ok" if c.passed else "FAIL", c.note)
-                for c in self.checks
-            ),
+            ("module", "class", "op", "kernel", *(f"{dt} abs / rel" for dt in dtypes), "result", "note"), body
+        )
+
+    def legend(self) -> str:
+        tol = ", ".join(
+            f"{name} {TOLERANCES[dt][0]:g}+{TOLERANCES[dt][1]:g}*|ref|"
+            for dt, name in _DTYPE_NAMES.items() if name in (*self.dtypes, self.model_dtype)
+        )
+        return (
+            "checks: declaration = the op's reference with the declared settings vs the original forward,\n"
+            "        bit-exact in every dtype; kernel = the chosen kernel vs the original, within " + tol + ";\n"
+            f"        {MODEL} = logits, loss and every parameter gradient vs the unpatched model ({self.model_dtype})"
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "checks": [vars(c) for c in self.checks]}
+        return {
+            "passed": self.passed,
+            "model_dtype": self.model_dtype,
+            "dtypes": list(self.dtypes),
+            "tolerances": {_DTYPE_NAMES[dt]: {"atol": a, "rtol": r} for dt, (a, r) in TOLERANCES.items()},
+            "modules": [
+                {**{k: v for k, v in row.items() if k != "errors"},
+                 "errors": {dt: {"max_abs": e[0], "max_rel": e[1]} for dt, e in row["errors"].items()}}
+                for row in self.rows()
+            ],
+            "checks": [vars(c) for c in self.checks],
+        }
 
     def __str__(self) -> str:
-        verdict = "passed" if self.passed else f"FAILED ({len(self.failures)} checks)"
-        return f"verification {verdict}\n{self.table()}"
+        modules = sum(1 for r in self.rows() if not r["module"].startswith(MODEL))
+        verdict = "passed" if self.passed else f"FAILED ({len(self.failures)} of {len(self.checks)} checks)"
+        head = (f"verification {verdict}: {modules} patched modules and functions, {len(self.checks)} checks, "
+                f"model dtype {self.model_dtype}, modules checked in {' and '.join(self.dtypes)}")
+        return f"{head}\n{self.table()}\n{self.legend()}"
 
 
 def compare(actual: Any, expected: Any) -> tuple[float, float, bool]:
@@ -98,18 +175,24 @@ def compare(actual: Any, expected: Any) -> tuple[float, float, bool]:
         return 0.0, 0.0, actual == expected
     if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape:
         return float("inf"), float("inf"), False
-    if actual.dtype != expected.dtype:  # e.g. an fp32 result where the module returns bf16
-        return float("inf"), float("inf"), False
+    # A result of another dtype (an fp32 result where the module returns bf16) fails whatever its
+    # values; its errors are still measured, so the report shows how far off the numbers are.
+    same_dtype = actual.dtype == expected.dtype
     atol, rtol = TOLERANCES.get(expected.dtype, (1e-5, 1e-5))
     a, e = actual.detach().double(), expected.detach().double()
     if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
         same = torch.equal(a.nan_to_num(), e.nan_to_num())
-        return (0.0, 0.0, same) if same else (float("inf"), float("inf"), False)
+        return (0.0, 0.0, same and same_dtype) if same else (float("inf"), float("inf"), False)
     diff = (a - e).abs()
     max_abs = float(diff.max()) if diff.numel() else 0.0
     max_rel = float((diff / e.abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
-    ok = bool((diff <= atol + rtol * e.abs()).all())
+    ok = same_dtype and bool((diff <= atol + rtol * e.abs()).all())
     return max_abs, max_rel, ok
+
+
+def _exact(result: tuple[float, float, bool]) -> bool:
+    """Bit-exact: same dtype and shape, zero difference."""
+    return result[2] and result[0] == 0.0
 
 
 def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -181,29 +264,40 @@ def verify(
 ) -> VerifyReport:
     """Verify a patched model (or, given ``patchset``, a patched deep copy of an unpatched one).
 
+    Every patched module is checked on the inputs it received in one real forward, in fp32
+    and in the model's low-precision dtype (bf16 for an fp32 model, where cast orders
+    differ); then the whole model (logits, loss, parameter gradients) in its own dtype.
+
     Raises:
         VerificationFailed: on any failed check (unless ``raise_on_failure=False``); the
             message names each failing module path and class, the declared settings, and
-            the alternative settings that would have matched.
+            the alternative settings that would have matched. ``exc.report`` has every check.
     """
-    from engine.patcher import STATE_ATTR, apply
+    from engine.patcher import STATE_ATTR, apply, revert
 
     if patchset is not None and STATE_ATTR not in model.__dict__:
-        model = copy.deepcopy(model)
-        apply(model, patchset, **apply_kwargs)
+        twin = copy.deepcopy(model)
+        apply(twin, patchset, **apply_kwargs)
+        try:
+            return verify(twin, batch=batch, check_model=check_model, raise_on_failure=raise_on_failure)
+        finally:
+            revert(twin)  # releases its function routers: the copy must not keep them installed
     state = model.__dict__.get(STATE_ATTR)
     if state is None:
         raise ValueError("the model is not patched; pass a patchset or call engine.apply first")
     decisions = [d for d in state.report.decisions if d.action == "patch"]
     batch = batch or probe_batch(model)
-    report = VerifyReport()
-    captured = _capture(model, decisions, batch)
     low = _low_precision(model)
+    model_dtype = next(model.parameters()).dtype
+    report = VerifyReport(
+        model_dtype=_DTYPE_NAMES.get(model_dtype, str(model_dtype)), dtypes=("fp32", _DTYPE_NAMES[low])
+    )
+    captured = _capture(model, decisions, batch)
     modules = dict(model.named_modules())
     for d in decisions:
         if d.path not in captured:
-            report.checks.append(Check(d.path, d.cls, d.op, "called", "-", 0.0, 0.0, False,
-                                       "never called during the verification forward: the patch is a no-op"))
+            cls = d.cls if d.site is None else "function"
+            report.checks.append(Check(d.path, cls, d.op, "called", "-", 0.0, 0.0, False, _NOT_CALLED, d.kernel or "-"))
             continue
         args, kwargs = captured[d.path]
         if d.site is None:
@@ -213,51 +307,80 @@ def verify(
     if check_model:
         report.checks.extend(compare_models(model, batch))
     if raise_on_failure and not report.passed:
-        raise VerificationFailed(_failure_message(report))
+        error = VerificationFailed(_failure_message(report))
+        error.report = report  # type: ignore[attr-defined]
+        raise error
     return report
 
 
-def _settings(patch: Any) -> str:
-    data = patch.model_dump(mode="json", exclude={"kernel", "optional", "target", "function", "op"})
-    return ", ".join(f"{k}: {v}" for k, v in data.items()) or "defaults"
+_NOT_CALLED = (
+    "never called during the verification forward, so this patch changes nothing for this model: "
+    "remove it, or check that the config exercises it"
+)
+#: Patch keys that say what to patch and how to run it, not what the target computes.
+_NOT_SETTINGS = {"kernel", "optional", "target", "function", "op", "signature"}
+
+
+def _settings(patch: Any, keys: Sequence[str] | None = None) -> str:
+    data = patch.model_dump(mode="json", exclude=_NOT_SETTINGS)
+    keys = [k for k in (keys or data) if k in data]
+    return ", ".join(f"{k}: {data[k]}" for k in keys) or "defaults"
+
+
+def _varied_keys(patch: Any, alternatives: Sequence[Any]) -> list[str]:
+    """The settings the alternatives vary (those worth showing next to the declared ones)."""
+    mine = patch.model_dump(mode="json", exclude=_NOT_SETTINGS)
+    dumps = [alt.model_dump(mode="json", exclude=_NOT_SETTINGS) for alt in alternatives]
+    return [k for k in mine if any(d.get(k) != mine[k] for d in dumps)] or list(mine)
 
 
 def _verify_module(d: Any, module: nn.Module, args: Any, kwargs: Any, low: torch.dtype) -> list[Check]:
+    """Declaration (bit-exact, against every alternative) and kernel (within tolerance) checks."""
     op = get_op(d.op)
     assert isinstance(op, ModuleOp)
-    checks: list[Check] = []
     reference = registry.get("torch", d.op)
-    alt_exact: dict[str, bool] = {}
-    decl_results = []
+    alternatives = list(op.alternatives(d.patch))
+    alt_exact = {label: True for label, _ in alternatives}
+    decl_results: list[tuple[torch.dtype, tuple[float, float, bool]]] = []
+    kernel_checks: list[Check] = []
+    declared_out: dict[torch.dtype, Any] = {}
+    originals: dict[torch.dtype, Any] = {}
     for dtype in (torch.float32, low):
         clone = copy.deepcopy(module).to(dtype)
         a, k = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
         with torch.no_grad():
             expected = type(clone).forward(clone, *a, **k)
             declared = op.bind(clone, d.patch, reference.build(d.patch))(clone, *a, **k)
-            decl = compare(declared, expected)
-            decl_results.append((dtype, decl))
-            for label, alt in op.alternatives(d.patch):
+            decl_results.append((dtype, compare(declared, expected)))
+            declared_out[dtype], originals[dtype] = declared, expected
+            for label, alt in alternatives:
                 got = op.bind(clone, alt, reference.build(alt))(clone, *a, **k)
-                err = compare(got, expected)
-                alt_exact[label] = alt_exact.get(label, True) and err[0] == 0.0
-            if d.kernel != "torch":
-                patched = clone.forward(*a, **k)
-                ma, mr, ok = compare(patched, expected)
-                checks.append(Check(d.path, d.cls, d.op, f"kernel {d.kernel}", _DTYPE_NAMES[dtype], ma, mr, ok))
-    declared_exact = all(r[0] == 0.0 for _, r in decl_results)
+                alt_exact[label] = alt_exact[label] and _exact(compare(got, expected))
+            if d.kernel != "torch":  # the torch kernel *is* the declaration, checked above
+                ma, mr, ok = compare(clone.forward(*a, **k), expected)
+                kernel_checks.append(Check(d.path, d.cls, d.op, "kernel", _DTYPE_NAMES[dtype], ma, mr, ok, "", d.kernel))
+    declared_exact = all(_exact(r) for _, r in decl_results)
     fits = [label for label, exact in alt_exact.items() if exact]
-    declaration_checks = []
+    declared_text = _settings(d.patch, _varied_keys(d.patch, [alt for _, alt in alternatives]))
+    checks = []
     for dtype, (ma, mr, ok) in decl_results:
-        note = ""
-        passed = ok
+        note, passed = "", ok
         if not declared_exact and fits:
             passed = False
-            note = f"declared ({_settings(d.patch)}) does not reproduce the module; {' or '.join(fits)} fits"
-        elif not ok and not fits:
-            note = f"declared ({_settings(d.patch)}) does not reproduce the module, nor does any alternative"
-        declaration_checks.append(Check(d.path, d.cls, d.op, "declaration", _DTYPE_NAMES[dtype], ma, mr, passed, note))
-    return declaration_checks + checks
+            note = f"declared {declared_text} does not reproduce {d.cls}.forward; {' or '.join(fits)} would match"
+        elif not ok:
+            tried = ", nor does any alternative" if alternatives else ""
+            kind = "" if _dtype_of(declared_out[dtype]) == _dtype_of(originals[dtype]) else (
+                f" (returns {_dtype_of(declared_out[dtype])} where the original returns {_dtype_of(originals[dtype])})")
+            note = f"declared {declared_text} does not reproduce {d.cls}.forward{kind}{tried}; is this the right op?"
+        checks.append(Check(d.path, d.cls, d.op, "declaration", _DTYPE_NAMES[dtype], ma, mr, passed, note, d.kernel))
+    return checks + kernel_checks
+
+
+def _dtype_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return _DTYPE_NAMES.get(value.dtype, str(value.dtype))
+    return type(value).__name__
 
 
 def _verify_function(d: Any, args: Any, kwargs: Any, low: torch.dtype) -> list[Check]:
@@ -269,56 +392,84 @@ def _verify_function(d: Any, args: Any, kwargs: Any, low: torch.dtype) -> list[C
         a, k = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
         with torch.no_grad():
             ma, mr, ok = compare(impl(*a, **k), router.original(*a, **k))
-        checks.append(Check(d.path, "function", d.op, f"kernel {d.kernel}", _DTYPE_NAMES[dtype], ma, mr, ok))
+        note = "" if ok else f"kernel {d.kernel} does not compute what {d.site.function} computes"
+        checks.append(Check(d.path, "function", d.op, "kernel", _DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
     return checks
 
 
 def compare_models(
     patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None = None
 ) -> list[Check]:
-    """Logits, loss and parameter gradients of ``patched`` vs its unpatched deep copy."""
+    """Logits, loss and parameter gradients of ``patched`` vs ``reference`` (default: its unpatched deep copy)."""
     from engine.patcher import revert
 
     if reference is None:
         reference = copy.deepcopy(patched)
         revert(reference)
-    results = []
-    outputs = []
-    for m in (reference, patched):
-        m.zero_grad(set_to_none=True)
-        out = m(**batch)
-        out.loss.backward()
-        outputs.append(out)
-    ref_out, pat_out = outputs
+    ref_out, pat_out = (_forward_backward(m, batch) for m in (reference, patched))
+    cls = type(patched).__name__
     dtype = _DTYPE_NAMES.get(ref_out.logits.dtype, str(ref_out.logits.dtype))
-    for what, a, e in (("logits", pat_out.logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss)):
-        ma, mr, ok = compare(a, e)
-        results.append(Check("<model>", type(patched).__name__, "-", what, dtype, ma, mr, ok))
-    ref_params = dict(reference.named_parameters())
-    worst: tuple[float, float, bool, str] = (0.0, 0.0, True, "")
-    for name, p in patched.named_parameters():
-        q = ref_params[name]
-        if p.grad is None and q.grad is None:
-            continue
-        if p.grad is None or q.grad is None:
-            worst = (float("inf"), float("inf"), False, name)
-            break
-        ma, mr, ok = compare(p.grad, q.grad)
-        if not ok or ma > worst[0]:
-            worst = (ma, mr, ok and worst[2], name if (not ok or ma > worst[0]) else worst[3])
+    checks = [
+        Check(MODEL, cls, "-", what, dtype, *compare(got, want))
+        for what, got, want in (("logits", pat_out.logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss))
+    ]
+    checks.append(_compare_grads(patched, reference, cls, dtype))
     patched.zero_grad(set_to_none=True)
-    results.append(Check("<model>", type(patched).__name__, "-", f"grads (worst: {worst[3] or '-'})", dtype,
-                         worst[0], worst[1], worst[2]))
-    return results
+    return checks
+
+
+def _forward_backward(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out
+
+
+def _compare_grads(patched: nn.Module, reference: nn.Module, cls: str, dtype: str) -> Check:
+    """One check for all parameter gradients: the worst parameter's errors, and how many differ.
+
+    A gradient present on one side only (a kernel that detaches, or one that reaches a
+    parameter the original does not) is a failure of its own kind, named in the note.
+    """
+    ref_params = dict(reference.named_parameters())
+    results: list[tuple[float, float, bool, str]] = []
+    for name, p in patched.named_parameters():
+        mine, theirs = p.grad, ref_params[name].grad
+        if mine is None and theirs is None:
+            continue
+        if mine is None or theirs is None:
+            side = "patched" if mine is None else "original"
+            results.append((float("inf"), float("inf"), False, f"{name} (no gradient in the {side} model)"))
+            continue
+        results.append((*compare(mine, theirs), name))
+    if not results:
+        return Check(MODEL, cls, "-", "grads", dtype, 0.0, 0.0, False, "no parameter received a gradient")
+    failing = [r for r in results if not r[2]]
+    worst = max(failing or results, key=lambda r: (r[0], r[1]))
+    if failing:
+        note = f"{len(failing)} of {len(results)} parameter gradients differ; worst: {worst[3]}"
+    else:
+        note = f"{len(results)} parameter gradients; largest difference: {worst[3] if worst[0] else 'none'}"
+    return Check(MODEL, cls, "-", "grads", dtype, worst[0], worst[1], not failing, note)
 
 
 def _failure_message(report: VerifyReport) -> str:
-    lines = ["patched model does not compute what the original computed:"]
-    seen: set[tuple[str, str]] = set()
+    """One line per failing (class, check, note), naming the modules, dtypes and errors."""
+    groups: dict[tuple[str, str, str, str], list[Check]] = {}
     for c in report.failures:
-        if (c.path, c.what) in seen:
-            continue
-        seen.add((c.path, c.what))
-        errs = ", ".join(f"{f.dtype} {f.max_abs:.3g}" for f in report.failures if (f.path, f.what) == (c.path, c.what))
-        lines.append(f"  {c.path} ({c.cls}, {c.op}) {c.what}: max abs err {errs}" + (f"; {c.note}" if c.note else ""))
+        groups.setdefault((c.cls, c.op, c.what, c.note), []).append(c)
+    lines = ["patched model does not compute what the original computed:"]
+    for (cls, op, what, note), checks in groups.items():
+        paths = list(dict.fromkeys(c.path for c in checks))
+        where = paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more"
+        errs = {}
+        for c in checks:
+            if c.dtype != "-":
+                errs[c.dtype] = max(errs.get(c.dtype, 0.0), c.max_abs)
+        err_text = ", ".join(f"{dt} {_num(e)}" for dt, e in errs.items())
+        label = what if cls == "function" or paths[0] == MODEL else f"{what} of {op}"
+        line = f"  {where} ({cls}): {label} failed"
+        if err_text:
+            line += f" (max abs err {err_text})"
+        lines.append(line + (f": {note}" if note else ""))
     return "\n".join(lines)
