@@ -367,7 +367,7 @@ def _verify_module(d: Any, module: nn.Module, args: Any, kwargs: Any, low: torch
         note, passed = "", ok
         if not declared_exact and fits:
             passed = False
-            note = f"declared {declared_text} does not reproduce {d.cls}.forward; {' or '.join(fits)} would match"
+            note = f"declared {declared_text} does not reproduce {d.cls}.forward; {' or '.join(fits)} fits"
         elif not ok:
             tried = ", nor does any alternative" if alternatives else ""
             kind = "" if _dtype_of(declared_out[dtype]) == _dtype_of(originals[dtype]) else (
@@ -461,7 +461,8 @@ def _failure_message(report: VerifyReport) -> str:
     lines = ["patched model does not compute what the original computed:"]
     for (cls, op, what, note), checks in groups.items():
         paths = list(dict.fromkeys(c.path for c in checks))
-        where = paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more"
+        shown = ", ".join(paths[:4])
+        where = shown if len(paths) <= 4 else f"{shown} and {len(paths) - 4} more"
         errs = {}
         for c in checks:
             if c.dtype != "-":

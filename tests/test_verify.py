@@ -50,12 +50,13 @@ def test_one_plus_weight_declared_on_a_weight_norm(qwen3: torch.nn.Module) -> No
     text = str(err)
     assert text.startswith("patched model does not compute what the original computed:\n")
     assert (
-        "  model.layers.0.self_attn.q_norm and 8 more (Qwen3RMSNorm): declaration of rms_norm failed "
+        "  model.layers.0.self_attn.q_norm, model.layers.0.self_attn.k_norm, model.layers.0.input_layernorm, "
+        "model.layers.0.post_attention_layernorm and 5 more (Qwen3RMSNorm): declaration of rms_norm failed "
         "(max abs err fp32 " in text
     )
     # the alternative's label lists the settings that differ (the op decides whether unchanged ones show)
     assert re.search(r"declared scale: one_plus_weight, cast: llama does not reproduce Qwen3RMSNorm\.forward; "
-                     r"scale: weight(, cast: llama)? would match", text)
+                     r"scale: weight(, cast: llama)? fits", text)
     decl = _declaration(err.report, "model.norm")
     assert not decl["fp32"].passed and decl["fp32"].max_abs > 0.1  # 1 + w vs w, w ~ 1: off by ~x_hat
 
@@ -65,7 +66,7 @@ def test_weight_declared_on_a_gemma_norm() -> None:
     err = _fails(model, _patchset("gemma", _rms("GemmaRMSNorm", scale="weight", eps_attr="eps")))
     assert "(GemmaRMSNorm): declaration of rms_norm failed" in str(err)
     assert re.search(r"declared scale: weight, cast: llama does not reproduce GemmaRMSNorm\.forward; "
-                     r"scale: one_plus_weight, cast: fp32 would match", str(err))
+                     r"scale: one_plus_weight, cast: fp32 fits", str(err))
     # the right declaration passes, bit-exactly
     right = engine.verify(model, _patchset("gemma", _rms("GemmaRMSNorm", scale="one_plus_weight", cast="fp32",
                                                          eps_attr="eps")), device="cpu")
@@ -76,7 +77,7 @@ def test_llama_cast_order_declared_on_an_olmo2_norm_shows_in_bf16() -> None:
     model = build_tiny_model("olmo2", {})
     err = _fails(model, _patchset("olmo2", _rms("Olmo2RMSNorm", scale="weight", cast="llama")))
     assert "(Olmo2RMSNorm): declaration of rms_norm failed" in str(err)
-    assert re.search(r"does not reproduce Olmo2RMSNorm\.forward; (scale: weight, )?cast: fp32 would match", str(err))
+    assert re.search(r"does not reproduce Olmo2RMSNorm\.forward; (scale: weight, )?cast: fp32 fits", str(err))
     decl = _declaration(err.report, "model.norm")
     assert decl["fp32"].max_abs == 0  # in fp32 the two cast orders coincide...
     assert decl["bf16"].max_abs > 0  # ...bf16 rounding shows which one the module uses
@@ -115,8 +116,8 @@ def test_silu_declared_on_a_sigmoid_gated_norm() -> None:
     assert {c.dtype for c in failed} == {"fp32", "bf16"} and all(c.max_abs > 1e-3 for c in failed)
     note = failed[0].note
     assert note.startswith("declared ") and "activation: silu" in note.split(" does not reproduce ")[0]
-    assert "sigmoid" in note.split(" does not reproduce ")[1]  # the alternative that would match
-    assert note.endswith("would match")
+    assert "sigmoid" in note.split(" does not reproduce ")[1]  # the alternative that fits
+    assert note.endswith("fits")
     assert_same(before, snapshot(model))
 
 
