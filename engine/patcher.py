@@ -24,6 +24,7 @@ from engine.errors import AlreadyPatched
 from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
 from engine.report import Report
+from engine.wrappers import unwrap
 from engine.schema import Device, Patchset
 
 __all__ = ["apply", "revert", "is_patched", "applied_report", "STATE_ATTR"]
@@ -87,11 +88,11 @@ class AppliedState:
 
 
 def is_patched(model: nn.Module) -> bool:
-    return STATE_ATTR in model.__dict__
+    return STATE_ATTR in unwrap(model).__dict__
 
 
 def applied_report(model: nn.Module) -> Report | None:
-    state = model.__dict__.get(STATE_ATTR)
+    state = unwrap(model).__dict__.get(STATE_ATTR)
     return state.report if state else None
 
 
@@ -118,7 +119,11 @@ def apply(
     Example:
         >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
         >>> engine.revert(model)                      # doctest: +SKIP
+
+    A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
+    there), so wrapping before or after patching gives the same model.
     """
+    model = unwrap(model)
     the_plan = plan(model, patchset, device=device, mode=mode)
     fingerprint = _fingerprint(the_plan.patchset, the_plan.device, the_plan.mode)
     state: AppliedState | None = model.__dict__.get(STATE_ATTR)
@@ -154,7 +159,7 @@ def apply(
 
 def revert(model: nn.Module) -> bool:
     """Restore every original forward and function of ``model``; ``False`` if it was not patched."""
-    state: AppliedState | None = model.__dict__.pop(STATE_ATTR, None)
+    state: AppliedState | None = unwrap(model).__dict__.pop(STATE_ATTR, None)
     if state is None:
         return False
     for rec in reversed(state.records):
@@ -171,7 +176,13 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
     def impl_for(decision: Decision) -> Callable[..., Any]:
         key = (decision.patch_index, decision.provider.name)  # type: ignore[union-attr]
         if key not in impls:
-            impls[key] = decision.provider.build(decision.patch)  # type: ignore[union-attr]
+            provider = decision.provider
+            impl = provider.build(decision.patch)  # type: ignore[union-attr]
+            if not provider.compile_safe:  # type: ignore[union-attr]
+                # torch.compile of the model must not fail on a kernel dynamo cannot trace:
+                # the kernel runs eagerly, as a graph break (listed in Report.compile_disabled).
+                impl = torch.compiler.disable(impl, recursive=True)
+            impls[key] = impl
         return impls[key]
 
     for decision in the_plan.patched:

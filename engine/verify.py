@@ -187,7 +187,9 @@ def verify(
             the alternative settings that would have matched.
     """
     from engine.patcher import STATE_ATTR, apply
+    from engine.wrappers import unwrap
 
+    model = unwrap(model)
     if patchset is not None and STATE_ATTR not in model.__dict__:
         model = copy.deepcopy(model)
         apply(model, patchset, **apply_kwargs)
