@@ -67,7 +67,9 @@ def train(*, patched: bool, steps: int, output_dir: str) -> list[float]:
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, seed=0, disable_tqdm=False,
     )
-    callbacks: list[Any] = [PatchsetCallback("qwen3")] if patched else []  # <- the one line
+    # The one line. revert_on_end: this model is thrown away after training, and reverting
+    # leaves the process as it was (no rope router left installed for other qwen3 models).
+    callbacks: list[Any] = [PatchsetCallback("qwen3", revert_on_end=True)] if patched else []
     trainer = Trainer(model=build_model(), args=args, train_dataset=synthetic_dataset(), callbacks=callbacks)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgress)
