@@ -24,8 +24,8 @@ from engine.errors import AlreadyPatched
 from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
 from engine.report import Report
-from engine.wrappers import unwrap
 from engine.schema import Device, Patchset
+from engine.wrappers import unwrap
 
 __all__ = ["apply", "revert", "is_patched", "applied_report", "STATE_ATTR"]
 
