@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MethodType
@@ -25,6 +26,7 @@ from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
 from engine.report import Report
 from engine.schema import Device, Patchset
+from engine.wrappers import unwrap
 
 __all__ = ["apply", "revert", "is_patched", "applied_report", "STATE_ATTR"]
 
@@ -69,6 +71,11 @@ class _RouterRecord:
         routing.release(self.namespace, self.function)
 
 
+def _release_routers(keys: list[tuple[str, str]]) -> None:
+    for namespace, function in keys:
+        routing.release(namespace, function)
+
+
 @dataclass
 class AppliedState:
     """What :func:`apply` did to a model; stored on the model so that revert and deepcopy work."""
@@ -76,6 +83,24 @@ class AppliedState:
     fingerprint: str
     report: Report
     records: list[Any] = field(default_factory=list)
+    finalizer: weakref.finalize | None = field(default=None, compare=False, repr=False)
+    owner_id: int = 0
+
+    def watch(self, owner: nn.Module) -> None:
+        """Release this model's function routers if it is garbage-collected without a revert.
+
+        Why: a router left installed for a dead model keeps other models of the family on the
+        routed path (an extra call, and a graph break under torch.compile).
+        """
+        keys = [(r.namespace, r.function) for r in self.records if isinstance(r, _RouterRecord)]
+        self.owner_id = id(owner)
+        if keys:
+            self.finalizer = weakref.finalize(owner, _release_routers, keys)
+
+    def unwatch(self) -> None:
+        if self.finalizer is not None:
+            self.finalizer.detach()
+            self.finalizer = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "AppliedState":
         # A deep-copied model is a second user of each function router.
@@ -83,15 +108,19 @@ class AppliedState:
         for rec in records:
             if isinstance(rec, _RouterRecord):
                 routing.acquire(rec.namespace, rec.function)
-        return AppliedState(self.fingerprint, self.report, records)
+        twin = AppliedState(self.fingerprint, self.report, records)
+        owner = memo.get(self.owner_id)  # the copy of the model this state belongs to
+        if isinstance(owner, nn.Module):
+            twin.watch(owner)
+        return twin
 
 
 def is_patched(model: nn.Module) -> bool:
-    return STATE_ATTR in model.__dict__
+    return STATE_ATTR in unwrap(model).__dict__
 
 
 def applied_report(model: nn.Module) -> Report | None:
-    state = model.__dict__.get(STATE_ATTR)
+    state = unwrap(model).__dict__.get(STATE_ATTR)
     return state.report if state else None
 
 
@@ -118,7 +147,11 @@ def apply(
     Example:
         >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
         >>> engine.revert(model)                      # doctest: +SKIP
+
+    A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
+    there), so wrapping before or after patching gives the same model.
     """
+    model = unwrap(model)
     the_plan = plan(model, patchset, device=device, mode=mode)
     fingerprint = _fingerprint(the_plan.patchset, the_plan.device, the_plan.mode)
     state: AppliedState | None = model.__dict__.get(STATE_ATTR)
@@ -139,7 +172,9 @@ def apply(
             rec.undo()
         raise
     report = Report.from_plan(the_plan)
-    object.__setattr__(model, STATE_ATTR, AppliedState(fingerprint, report, records))
+    state = AppliedState(fingerprint, report, records)
+    state.watch(model)
+    object.__setattr__(model, STATE_ATTR, state)
     if verify:
         from engine.errors import VerificationFailed
         from engine.verify import verify as run_verify
@@ -154,9 +189,10 @@ def apply(
 
 def revert(model: nn.Module) -> bool:
     """Restore every original forward and function of ``model``; ``False`` if it was not patched."""
-    state: AppliedState | None = model.__dict__.pop(STATE_ATTR, None)
+    state: AppliedState | None = unwrap(model).__dict__.pop(STATE_ATTR, None)
     if state is None:
         return False
+    state.unwatch()
     for rec in reversed(state.records):
         rec.undo()
     return True
@@ -171,7 +207,13 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
     def impl_for(decision: Decision) -> Callable[..., Any]:
         key = (decision.patch_index, decision.provider.name)  # type: ignore[union-attr]
         if key not in impls:
-            impls[key] = decision.provider.build(decision.patch)  # type: ignore[union-attr]
+            provider = decision.provider
+            impl = provider.build(decision.patch)  # type: ignore[union-attr]
+            if not provider.compile_safe:  # type: ignore[union-attr]
+                # torch.compile of the model must not fail on a kernel dynamo cannot trace:
+                # the kernel runs eagerly, as a graph break (listed in Report.compile_disabled).
+                impl = torch.compiler.disable(impl, recursive=True)
+            impls[key] = impl
         return impls[key]
 
     for decision in the_plan.patched:

@@ -100,7 +100,8 @@ def plan(
     """Decide what applying ``patchset`` to ``model`` would do; the model is not changed.
 
     Args:
-        model: a transformers model (anything with ``config.model_type`` and submodules).
+        model: a transformers model (anything with ``config.model_type`` and submodules), or
+            a peft ``PeftModel`` around one (planned as the model inside).
         patchset: a Patchset, a bundled name (``"qwen3"``), a path, or a dict.
         device: the device type to plan for; default: the current accelerator.
         mode: ``"training"`` (kernels need a backward) or ``"inference"``; default:
@@ -111,7 +112,9 @@ def plan(
         SignatureMismatch, DeviceUnsupported, MissingDependency, KernelNotFound.
     """
     from engine.loader import load_patchset
+    from engine.wrappers import unwrap
 
+    model = unwrap(model)  # a PeftModel is planned as the transformers model inside it
     if not isinstance(patchset, Patchset):
         patchset = load_patchset(patchset)
     dev = as_device(device)

@@ -61,6 +61,15 @@ class Report:
     def skipped(self) -> list[tuple[str, str]]:
         return [(d.path, d.reason) for d in self.decisions if d.action == "skip"]
 
+    @property
+    def compile_disabled(self) -> list[str]:
+        """Patched paths whose kernel is not torch.compile-safe, so it runs eagerly (a graph break)."""
+        return [
+            d.path
+            for d in self.decisions
+            if d.action == "patch" and d.provider is not None and not d.provider.compile_safe
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "patchset": self.patchset,
@@ -71,6 +80,7 @@ class Report:
                 {"path": d.path, "class": d.cls, "op": d.op, "kernel": d.kernel, "action": d.action, "reason": d.reason}
                 for d in self.decisions
             ],
+            "compile_disabled": self.compile_disabled,
         }
 
     def table(self, *, detail: bool = False) -> str:
@@ -82,4 +92,11 @@ class Report:
             f"patchset {self.patchset!r} on {self.model_type} ({self.device}, {self.mode}): "
             f"{n} patched, {len(self.skipped)} skipped"
         )
-        return head + "\n" + self.table()
+        text = head + "\n" + self.table()
+        eager = self.compile_disabled
+        if eager:
+            text += (
+                f"\nnot compile-safe, run outside torch.compile graphs (graph break): {len(eager)} "
+                f"({', '.join(sorted({d.kernel or '-' for d in self.decisions if d.path in eager}))})"
+            )
+        return text

@@ -274,7 +274,9 @@ def verify(
             the alternative settings that would have matched. ``exc.report`` has every check.
     """
     from engine.patcher import STATE_ATTR, apply, revert
+    from engine.wrappers import unwrap
 
+    model = unwrap(model)
     if patchset is not None and STATE_ATTR not in model.__dict__:
         twin = copy.deepcopy(model)
         apply(twin, patchset, **apply_kwargs)

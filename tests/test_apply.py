@@ -150,3 +150,21 @@ def test_optional_target_absent_is_reported_as_skipped() -> None:
     report = engine.apply(model, "qwen3_moe", device="cpu")
     assert ("-", "no module of this class (optional)") in report.skipped
     engine.revert(model)
+
+
+def test_a_dropped_patched_model_releases_its_function_router() -> None:
+    """A patched model garbage-collected without revert must not leave rope routed for others."""
+    import gc
+
+    model = tiny_for("qwen3")
+    engine.apply(model, "qwen3", device="cpu")
+    twin = copy.deepcopy(model)
+    router = routing.router_for(modeling_qwen3.__name__, "apply_rotary_pos_emb")
+    assert router is not None and router.users == 2
+    del model
+    gc.collect()
+    assert router.users == 1 and modeling_qwen3.apply_rotary_pos_emb is router.function
+    del twin
+    gc.collect()
+    assert routing.router_for(modeling_qwen3.__name__, "apply_rotary_pos_emb") is None
+    assert modeling_qwen3.apply_rotary_pos_emb is router.original

@@ -1,0 +1,81 @@
+"""Training with a patchset under Hugging Face ``Trainer``: one line.
+
+Either pass a callback::
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[PatchsetCallback("qwen3")])
+
+or patch the model on the way in::
+
+    trainer = Trainer(model=patch_for_training(model, "qwen3"), args=args, train_dataset=ds)
+
+Why apply at ``on_init_end``: it runs inside ``Trainer.__init__``, before ``train()``
+wraps the model (accelerate's FSDP/DDP, ``torch_compile=True``), so the kernels are in
+place before sharding and before the first trace, which is the order that works (see
+docs/training.md). ``on_train_begin`` applies again as a backstop (for a callback added
+after construction, or a ``model_init`` that builds a fresh model in ``train()``);
+applying the same patchset twice patches once. The plan is always made for training
+(kernels need a backward), on the device ``TrainingArguments`` trains on, whatever mode
+the model happens to be in when the trainer is built (``from_pretrained`` returns it in
+eval mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+
+from engine.patcher import apply, is_patched, revert
+from engine.report import Report
+from engine.schema import Patchset
+
+__all__ = ["PatchsetCallback", "patch_for_training"]
+
+
+def patch_for_training(model: nn.Module, patchset: Patchset | str | dict[str, Any], **apply_kwargs: Any) -> nn.Module:
+    """Apply ``patchset`` to ``model`` for training and return the model (for ``Trainer(model=...)``).
+
+    Keyword arguments go to :func:`engine.apply` (``device``, ``verify``).
+    """
+    apply(model, patchset, mode="training", **apply_kwargs)
+    return model
+
+
+class PatchsetCallback(TrainerCallback):
+    """A ``TrainerCallback`` that patches the trainer's model with a patchset.
+
+    Args:
+        patchset: a bundled name (``"qwen3"``), a path, a dict or a :class:`Patchset`.
+        revert_on_end: put the original forwards back when training ends. Off by default:
+            evaluation and prediction after ``train()`` then run with the same kernels as
+            training, and checkpoints are unaffected either way (patching changes no
+            parameter or state-dict key).
+        verify: check every patched module against its original forward once, when applying.
+
+    Attributes:
+        report: the :class:`Report` of the last apply (``None`` before).
+    """
+
+    def __init__(self, patchset: Patchset | str | dict[str, Any], *, revert_on_end: bool = False, verify: bool = False):
+        self.patchset = patchset
+        self.revert_on_end = revert_on_end
+        self.verify = verify
+        self.report: Report | None = None
+
+    def _apply(self, args: Any, model: nn.Module | None) -> None:
+        if model is None:
+            return
+        device = getattr(getattr(args, "device", None), "type", None)
+        self.report = apply(model, self.patchset, device=device, mode="training", verify=self.verify)
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        self._apply(args, model)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        self._apply(args, model)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        if self.revert_on_end and model is not None and is_patched(model):
+            revert(model)

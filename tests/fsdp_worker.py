@@ -1,0 +1,97 @@
+"""The per-rank body of the FSDP2 test (imported by spawned processes, so not a test module).
+
+Each rank trains the same tiny Qwen3 (same seed) on its own batches, first unpatched and then
+patched (``engine.apply`` before ``fully_shard``), for three AdamW steps; then saves the
+patched model with torch.distributed.checkpoint and loads it into a fresh unpatched model.
+Results go to ``<dir>/rank<r>.pt`` for the parent to compare.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STEPS = 3
+LR = 1e-3
+WORLD = 2
+
+
+def batches_for(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(STEPS)]
+
+
+def build(*, patched: bool, seed: int = 0) -> torch.nn.Module:
+    from conftest import tiny_for
+    from training_helpers import qwen3_patchset
+
+    import engine
+
+    model = tiny_for("qwen3", seed=seed)
+    if patched:
+        engine.apply(model, qwen3_patchset(), device="cpu", mode="training")  # before fully_shard
+    return model
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def train(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def worker(rank: int, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import engine
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        batches = batches_for(rank)
+        unpatched = train(shard(build(patched=False)), batches)
+        model = shard(build(patched=True))
+        norm = model.model.layers[0].input_layernorm
+        weight_is_dtensor = isinstance(norm.weight, DTensor)
+        still_patched = engine.is_patched(model) and "forward" in norm.__dict__
+        patched = train(model, batches)
+
+        dcp.save(get_model_state_dict(model), checkpoint_id=f"{out}/ckpt")
+        fresh = shard(build(patched=False, seed=1))  # other weights, so a load that did nothing shows
+        probe = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            expected = model(input_ids=probe).logits
+            before = fresh(input_ids=probe).logits
+            state = get_model_state_dict(fresh)
+            dcp.load(state, checkpoint_id=f"{out}/ckpt")
+            set_model_state_dict(fresh, state)
+            after = fresh(input_ids=probe).logits
+        torch.save({
+            "unpatched": unpatched, "patched": patched, "weight_is_dtensor": weight_is_dtensor,
+            "still_patched": still_patched, "fresh_is_patched": engine.is_patched(fresh),
+            "diff_before_load": (before - expected).abs().max().item(),
+            "diff_after_load": (after - expected).abs().max().item(),
+        }, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,85 @@
+"""Hugging Face Trainer with one added line: a patched run logs the same losses as an unpatched one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_for
+from training_helpers import extra_kernel, qwen3_patchset
+from transformers import Trainer, TrainingArguments
+
+import engine
+from engine.integrations.transformers import PatchsetCallback, patch_for_training
+from engine.ops.rope import rope_reference
+
+TOL = 1e-5
+STEPS = 6
+
+
+def _dataset(n: int = 24, seq: int = 16) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, 256, (seq,), generator=gen)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def _args(tmp_path) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0,
+    )
+
+
+def _losses(trainer: Trainer) -> list[float]:
+    trainer.train()
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    """The unpatched run's logged losses (shared by both ways of patching)."""
+    losses = _losses(Trainer(model=tiny_for("qwen3"), args=_args(tmp_path_factory.mktemp("ref")),
+                             train_dataset=_dataset()))
+    assert len(losses) == STEPS
+    return losses
+
+
+@pytest.mark.parametrize("how", ["callback", "helper"])
+def test_trainer_with_a_patchset_trains_like_without(how: str, reference: list[float], tmp_path) -> None:
+    calls: list[int] = []
+
+    def counting(q, k, cos, sin, unsqueeze_dim=1):
+        calls.append(1)
+        return rope_reference(q, k, cos, sin, unsqueeze_dim)
+
+    data = _dataset()
+    model = tiny_for("qwen3")
+    model.eval()  # as from_pretrained returns it: the plan must still be for training
+    ps = qwen3_patchset(rope="trainer_counting")
+    with extra_kernel("trainer_counting", "rope", counting):
+        if how == "callback":
+            callback = PatchsetCallback(ps)
+            trainer = Trainer(model=model, args=_args(tmp_path / "cb"), train_dataset=data, callbacks=[callback])
+            assert engine.is_patched(model) and callback.report.mode == "training"  # applied in __init__
+        else:
+            trainer = Trainer(model=patch_for_training(model, ps, device="cpu"), args=_args(tmp_path / "h"),
+                              train_dataset=data)
+        try:
+            losses = _losses(trainer)
+        finally:
+            engine.revert(model)
+    assert len(calls) == STEPS * 2  # each step's forward, in both attention layers
+    assert max(abs(a - b) for a, b in zip(losses, reference)) <= TOL, (losses, reference)
+
+
+def test_callback_can_revert_when_training_ends(tmp_path) -> None:
+    model = tiny_for("qwen3")
+    callback = PatchsetCallback(qwen3_patchset(), revert_on_end=True)
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=_dataset(8), callbacks=[callback])
+    assert engine.is_patched(model)
+    trainer.train()
+    assert not engine.is_patched(model)
+    assert "forward" not in model.model.norm.__dict__
