@@ -28,6 +28,8 @@ __all__ = [
     "RmsNormPatch",
     "SwigluPatch",
     "RopePatch",
+    "DeltaRuleForm",
+    "LinearAttentionPatch",
     "Patch",
     "ModulePatch",
     "FunctionPatch",
@@ -186,7 +188,26 @@ class RopePatch(FunctionPatch):
     function: str = "apply_rotary_pos_emb"
 
 
-Patch = Annotated[Union[RmsNormPatch, SwigluPatch, RopePatch], Field(discriminator="op")]
+class DeltaRuleForm(StrEnum):
+    """Which algorithm of the gated delta rule a function computes (same math, different schedule)."""
+
+    chunk = "chunk"  # chunked over the sequence: training and prefill
+    recurrent = "recurrent"  # token by token from a cached state: decode
+
+
+class LinearAttentionPatch(FunctionPatch):
+    """Linear attention by the gated delta rule (Qwen3-Next / Qwen3.5 GatedDeltaNet).
+
+    Replaces a module-level ``f(query, key, value, g, beta, ..., initial_state,
+    output_final_state, use_qk_l2norm_in_kernel, **kwargs) -> (out, final_state)`` (fla's API).
+    """
+
+    op: Literal["linear_attention"]
+    rule: Literal["gated_delta_rule"] = Field(default="gated_delta_rule", description="The recurrence computed.")
+    form: DeltaRuleForm = Field(description="chunk (training, prefill) or recurrent (decode): declared per function.")
+
+
+Patch = Annotated[Union[RmsNormPatch, SwigluPatch, RopePatch, LinearAttentionPatch], Field(discriminator="op")]
 
 
 class TinyModel(StrictModel):
