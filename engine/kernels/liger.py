@@ -11,7 +11,9 @@
   runs the torch reference and warns once, because liger cannot produce that result.
 * ``swiglu``: ``LigerSiLUMulFunction.apply(gate, up)``.
 * ``rope``: ``LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)`` (partial rotary:
-  liger rotates the first ``cos.shape[-1]`` features, like the reference). Called directly,
+  liger rotates the first ``cos.shape[-1]`` features, like the reference). Liger reads only the
+  first half of ``cos``/``sin``: it relies on transformers' ``cat(freqs, freqs)`` layout, which
+  every half-split rotary embedding in transformers produces. Called directly,
   not through liger's backend dispatcher, so that the kernel is the one this file names.
 """
 
