@@ -1,8 +1,9 @@
 """flash-linear-attention (Triton) kernels for CUDA and NPU, imported only inside ``build``.
 
-* ``linear_attention`` (gated delta rule): ``chunk_gated_delta_rule`` for ``form: chunk``
-  (training, prefill) and ``fused_recurrent_gated_delta_rule`` for ``form: recurrent``
-  (decode). fla's recurrent kernel has no backward (it raises ``NotImplementedError``), so a
+* ``linear_attention``: per rule (:data:`FLA_KERNELS`), fla's chunk kernel for ``form: chunk``
+  (training, prefill) and its fused recurrent kernel for ``form: recurrent`` (decode):
+  ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``, ``chunk_kda`` /
+  ``fused_recurrent_kda``. fla's recurrent kernels have no backward (it raises ``NotImplementedError``), so a
   recurrent call that needs a gradient runs fla's chunk kernel, which computes the same
   recurrence and has one. Arguments are passed by name; ``chunk_size`` is transformers'
   torch-path tiling and is not fla's to take (fla tiles by 64 itself). ``scale`` is left to
@@ -18,13 +19,14 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from engine.kernels.registry import Dependency, KernelProvider, register
-from engine.schema import CastOrder, DeltaRuleForm, Device, Precision, Scale
+from engine.schema import CastOrder, DeltaRule, DeltaRuleForm, Device, Precision, Scale
 
 __all__ = ["FLA", "FLA_DEVICES"]
 
@@ -36,14 +38,24 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+#: fla's (module, chunk kernel, recurrent kernel) per rule.
+FLA_KERNELS: dict[DeltaRule, tuple[str, str, str]] = {
+    DeltaRule.gated_delta_rule: ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
+                                 "fused_recurrent_gated_delta_rule"),
+    DeltaRule.kimi_delta_attention: ("fla.ops.kda", "chunk_kda", "fused_recurrent_kda"),
+}
+
+
 def _build_linear_attention(patch: Any) -> Callable[..., Any]:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    module_name, chunk_name, recurrent_name = FLA_KERNELS[patch.rule]
+    module = importlib.import_module(module_name)
+    chunk_kernel, recurrent_kernel = getattr(module, chunk_name), getattr(module, recurrent_name)
 
     def chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               chunk_size: int = 64, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
               use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
               **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return chunk_gated_delta_rule(
+        return chunk_kernel(
             query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         )
@@ -56,7 +68,7 @@ def _build_linear_attention(patch: Any) -> Callable[..., Any]:
             return chunk(query, key, value, g, beta, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                          cu_seqlens=cu_seqlens)
-        return fused_recurrent_gated_delta_rule(
+        return recurrent_kernel(
             query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         )
@@ -95,7 +107,7 @@ def _gated_supports(patch: Any) -> str | None:
 register(KernelProvider(
     name="fla", op="linear_attention", devices=FLA_DEVICES, build=_build_linear_attention, requires=(FLA,),
     has_backward=True, compile_safe=False,
-    description="fla chunk_gated_delta_rule / fused_recurrent_gated_delta_rule",
+    description="fla chunk / fused_recurrent kernels (gated delta rule, kda)",
 ))
 register(KernelProvider(
     name="fla", op="gated_rms_norm", devices=FLA_DEVICES, build=_build_gated_rms_norm, requires=(FLA,),

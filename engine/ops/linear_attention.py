@@ -1,14 +1,15 @@
-"""Linear attention by the gated delta rule (Qwen3-Next, Qwen3.5, Qwen3.5-MoE GatedDeltaNet).
+"""Linear attention by a delta rule: Qwen3-Next / Qwen3.5(-MoE) GatedDeltaNet, Kimi Linear KDA.
 
 The layer's forward calls two module-level functions by global name (reference file,
 section 7): ``torch_chunk_gated_delta_rule`` for training and prefill, and
-``torch_recurrent_gated_delta_rule`` for cached decode. Both take fla's API::
+``torch_recurrent_gated_delta_rule`` for cached decode (Kimi Linear:
+``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``). All take fla's API::
 
     f(query, key, value, g, beta, [chunk_size,] initial_state=None, output_final_state=False,
       use_qk_l2norm_in_kernel=False, **kwargs) -> (out [B, S, Hv, Dv], final_state | None)
 
-The op's ground truth is transformers' own torch implementation, taken from
-``modeling_qwen3_next`` (the three modules hold identical bodies; a test pins that). With
+The op's ground truth is transformers' own torch implementation, from one module per rule
+(:data:`REFERENCES`; qwen3_next / qwen3_5 / qwen3_5_moe hold identical bodies, a test pins that). With
 flash-linear-attention installed, the module attribute is a wrapper bound to fla on every
 device; the reference always uses the torch function behind it (``__wrapped__``), so the
 ``torch`` kernel runs on CPU whatever is installed.
@@ -29,28 +30,33 @@ from engine.errors import SignatureMismatch
 from engine.hub_functions import torch_body
 from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import FunctionOp, register_op
-from engine.schema import DeltaRuleForm, LinearAttentionPatch
+from engine.schema import DeltaRule, DeltaRuleForm, LinearAttentionPatch
 
-__all__ = ["LinearAttentionOp", "torch_reference", "REFERENCE_MODULE", "REFERENCE_FUNCTIONS"]
+__all__ = ["LinearAttentionOp", "torch_reference", "REFERENCES"]
 
-#: Where the op's ground truth lives, per form.
-REFERENCE_MODULE = "transformers.models.qwen3_next.modeling_qwen3_next"
-REFERENCE_FUNCTIONS: dict[DeltaRuleForm, str] = {
-    DeltaRuleForm.chunk: "torch_chunk_gated_delta_rule",
-    DeltaRuleForm.recurrent: "torch_recurrent_gated_delta_rule",
+#: Where the op's ground truth lives: transformers' torch functions, per (rule, form).
+REFERENCES: dict[tuple[DeltaRule, DeltaRuleForm], tuple[str, str]] = {
+    (DeltaRule.gated_delta_rule, DeltaRuleForm.chunk):
+        ("transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule"),
+    (DeltaRule.gated_delta_rule, DeltaRuleForm.recurrent):
+        ("transformers.models.qwen3_next.modeling_qwen3_next", "torch_recurrent_gated_delta_rule"),
+    (DeltaRule.kimi_delta_attention, DeltaRuleForm.chunk):
+        ("transformers.models.kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention"),
+    (DeltaRule.kimi_delta_attention, DeltaRuleForm.recurrent):
+        ("transformers.models.kimi_linear.modeling_kimi_linear", "recurrent_kimi_delta_attention"),
 }
 _LEADING = ("query", "key", "value", "g", "beta")
 _STATE = ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
 
 
-def torch_reference(form: DeltaRuleForm) -> Callable[..., Any]:
-    """transformers' torch function for ``form`` (never the fla-bound wrapper)."""
-    module = importlib.import_module(REFERENCE_MODULE)
-    return torch_body(getattr(module, REFERENCE_FUNCTIONS[form]))
+def torch_reference(rule: DeltaRule, form: DeltaRuleForm) -> Callable[..., Any]:
+    """transformers' torch function for ``(rule, form)`` (never the fla-bound wrapper)."""
+    module_name, name = REFERENCES[(rule, form)]
+    return torch_body(getattr(importlib.import_module(module_name), name))
 
 
 def _build_torch(patch: LinearAttentionPatch) -> Callable[..., Any]:
-    body = torch_reference(patch.form)
+    body = torch_reference(patch.rule, patch.form)
 
     @functools.wraps(body)
     def gated_delta_rule(*args: Any, **kwargs: Any) -> Any:
