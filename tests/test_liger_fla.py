@@ -172,7 +172,7 @@ def test_fla_recurrent_matches_torch_under_triton_interpreter() -> None:
         import json, torch
         from engine.kernels import registry
         from engine.schema import LinearAttentionPatch
-        patch = LinearAttentionPatch(op="linear_attention", function="f", form="recurrent")
+        patch = LinearAttentionPatch(op="linear_attention", function="f", form="recurrent")  # gated_delta_rule
         fla_k, torch_k = (registry.get(n, "linear_attention").build(patch) for n in ("fla", "torch"))
         g = torch.Generator().manual_seed(0)
         b, t, hk, hv, d = 1, 40, 2, 4, 16
@@ -201,11 +201,17 @@ def test_torch_delta_rule_refuses_packed_sequences() -> None:
                                                                  cu_seqlens=torch.tensor([0, 2, 5]))
 
 
-def test_torch_chunk_and_recurrent_forms_agree() -> None:
+@pytest.mark.parametrize("rule", ["gated_delta_rule", "kimi_delta_attention"])
+def test_torch_chunk_and_recurrent_forms_agree(rule: str) -> None:
     """Both forms compute one recurrence (the premise of fla's chunk fallback for gradients)."""
     kernels = {f: registry.get("torch", "linear_attention").build(
-        LinearAttentionPatch(op="linear_attention", function="f", form=f)) for f in ("chunk", "recurrent")}
+        LinearAttentionPatch(op="linear_attention", function="f", form=f, rule=rule)) for f in ("chunk", "recurrent")}
     q, k, v, decay, beta, h0 = _delta_rule_inputs(3, 9)
+    if rule == "kimi_delta_attention":  # per-channel decay, equal q/k/v heads
+        g = torch.Generator().manual_seed(4)
+        v = v[:, :, :2]
+        decay = -torch.rand(*q.shape, generator=g)
+        beta, h0 = beta[:, :, :2], h0[:, :2]
     kw = dict(g=decay, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     (o1, s1), (o2, s2) = kernels["chunk"](q, k, v, **kw), kernels["recurrent"](q, k, v, **kw)
     torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-4)
