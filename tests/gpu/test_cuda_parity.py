@@ -158,3 +158,21 @@ def test_generate_on_cuda_matches_torch_path(name) -> None:
         with engine.torch_path(reference):
             expected = reference.generate(ids, **kwargs)
     assert torch.equal(got, expected)
+
+
+@needs_fla
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_gated_norm(activation, dtype) -> None:
+    pytest.importorskip("engine.ops.gated_rms_norm", reason="the gated_rms_norm op (issue 3) is not merged")
+    from engine.schema import GatedRmsNormPatch
+
+    patch = GatedRmsNormPatch(target="X", op="gated_rms_norm", scale="weight", activation=activation,
+                              order="norm_then_gate", cast="fp32")
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(512, 128, generator=g, device=DEV).to(dtype)
+    gate = torch.randn(512, 128, generator=g, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(128, generator=g, device=DEV)).to(dtype)
+    got = registry.get("fla", "gated_rms_norm").build(patch)(x, gate, w, 1e-6, None)
+    expected = registry.get("torch", "gated_rms_norm").build(patch)(x, gate, w, 1e-6, None)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
