@@ -20,6 +20,7 @@ from engine.errors import (
     VerificationFailed,
     VersionMismatch,
 )
+from engine.hub_functions import torch_path
 from engine.loader import load_patchset
 from engine.patcher import apply, is_patched, revert
 from engine.planner import Plan, plan
@@ -36,6 +37,7 @@ __all__ = [
     "verify",
     "is_patched",
     "load_patchset",
+    "torch_path",
     "Patchset",
     "Plan",
     "Report",

@@ -19,15 +19,19 @@ __all__ = ["current_device", "as_device"]
 
 @lru_cache(maxsize=1)
 def current_device() -> Device:
-    """The accelerator type this process would run on: npu, cuda, xpu, mps, or cpu."""
-    if importlib.util.find_spec("torch_npu") is not None:
-        try:
+    """The accelerator type this process would run on: npu, cuda, xpu, mps, or cpu.
+
+    Cached: the answer does not change within a process. Plans for another device pass
+    ``device=`` (plan, apply, verify, and the CLI's ``--device``).
+    """
+    try:
+        if importlib.util.find_spec("torch_npu") is not None:
             import torch_npu  # noqa: F401  (registers torch.npu)
 
             if torch.npu.is_available():  # type: ignore[attr-defined]
                 return Device.npu
-        except Exception:  # an installed torch_npu without CANN: not an NPU machine
-            pass
+    except Exception:  # an installed torch_npu without CANN: not an NPU machine (the npu kernel says why)
+        pass
     if torch.cuda.is_available():
         return Device.cuda
     if hasattr(torch, "xpu") and torch.xpu.is_available():

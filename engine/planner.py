@@ -252,7 +252,7 @@ def _plan_module_patch(
         _check_drift(patch, f"{cls.__name__}.forward", cls.forward)
     for _, module in matches:
         op.check_target(module, patch)
-    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported)
+    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch)
     for path, module in matches:
         yield Decision(
             path=path, cls=type(module).__name__, op=op.name, patch_index=index,
@@ -293,7 +293,7 @@ def _plan_function_patch(
             f"patches[{index}] ({op.name}) targets function {patch.function!r}, which no module of "
             f"{type(model).__name__} calls in its forward: patching it would change nothing"
         )
-    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported)
+    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch)
     for name, (namespace, callers) in sites.items():
         original = _original_function(namespace[patch.function])
         _check_drift(patch, f"{name}.{patch.function}", original)
@@ -313,12 +313,15 @@ def _original_function(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def resolve_kernel(
-    op: str, spec: Any, device: Device, mode: Mode, on_unsupported: OnUnsupported
+    op: str, spec: Any, device: Device, mode: Mode, on_unsupported: OnUnsupported, *, patch: Any = None
 ) -> tuple[KernelProvider | None, str]:
-    """Pick the provider for ``op`` on ``device``: ``(provider or None if skipped, why)``."""
+    """Pick the provider for ``op`` on ``device``: ``(provider or None if skipped, why)``.
+
+    ``patch`` (optional) lets a provider refuse settings whose numerics it does not reproduce.
+    """
     choice = spec if isinstance(spec, str) else spec.get(device, "auto")
     if choice == "auto":
-        return _resolve_auto(op, device, mode)
+        return _resolve_auto(op, device, mode, patch)
     provider = registry.get(choice, op)
     problem: Exception | None = None
     if device not in provider.devices:
@@ -328,6 +331,8 @@ def resolve_kernel(
             f"{choice} has no backward for {op}, and the plan is for training; "
             "plan with mode='inference' or choose a kernel with a backward."
         )
+    elif (unfit := _unfit(provider, patch)) is not None:
+        problem = DeviceUnsupported(f"{choice} cannot compute {op} as declared: {unfit}; choose another kernel.")
     else:
         try:
             provider.check_dependencies()
@@ -342,7 +347,14 @@ def resolve_kernel(
     return registry.get("torch", op), f"fallback to torch: {problem}"
 
 
-def _resolve_auto(op: str, device: Device, mode: Mode) -> tuple[KernelProvider, str]:
+def _unfit(provider: KernelProvider, patch: Any) -> str | None:
+    """Why ``provider`` does not reproduce ``patch``'s declared numerics, or ``None``."""
+    if patch is None or provider.supports is None:
+        return None
+    return provider.supports(patch)
+
+
+def _resolve_auto(op: str, device: Device, mode: Mode, patch: Any = None) -> tuple[KernelProvider, str]:
     passed: list[str] = []
     for name in registry.AUTO_ORDER.get(device, ("torch",)):
         try:
@@ -353,6 +365,9 @@ def _resolve_auto(op: str, device: Device, mode: Mode) -> tuple[KernelProvider, 
             continue
         if mode == "training" and not provider.has_backward:
             passed.append(f"{name}: no backward")
+            continue
+        if (unfit := _unfit(provider, patch)) is not None:
+            passed.append(f"{name}: {unfit}")
             continue
         try:
             provider.check_dependencies()

@@ -30,6 +30,9 @@ __all__ = [
     "GatedRmsNormPatch",
     "SwigluPatch",
     "RopePatch",
+    "DeltaRule",
+    "DeltaRuleForm",
+    "LinearAttentionPatch",
     "Patch",
     "ModulePatch",
     "FunctionPatch",
@@ -246,7 +249,36 @@ class RopePatch(FunctionPatch):
     function: str = "apply_rotary_pos_emb"
 
 
-Patch = Annotated[Union[RmsNormPatch, GatedRmsNormPatch, SwigluPatch, RopePatch], Field(discriminator="op")]
+class DeltaRule(StrEnum):
+    """The recurrence a linear-attention function computes (fla's names in the comments)."""
+
+    gated_delta_rule = "gated_delta_rule"  # Qwen3-Next, Qwen3.5 GatedDeltaNet: scalar decay per head
+    kimi_delta_attention = "kimi_delta_attention"  # Kimi Linear KDA: per-channel decay (fla: kda)
+
+
+class DeltaRuleForm(StrEnum):
+    """Which algorithm of the gated delta rule a function computes (same math, different schedule)."""
+
+    chunk = "chunk"  # chunked over the sequence: training and prefill
+    recurrent = "recurrent"  # token by token from a cached state: decode
+
+
+class LinearAttentionPatch(FunctionPatch):
+    """Linear attention by a delta rule (Qwen3-Next / Qwen3.5 GatedDeltaNet, Kimi Linear KDA).
+
+    Replaces a module-level ``f(query, key, value, g, beta, ..., initial_state,
+    output_final_state, use_qk_l2norm_in_kernel, **kwargs) -> (out, final_state)`` (fla's API).
+    """
+
+    op: Literal["linear_attention"]
+    rule: DeltaRule = Field(default=DeltaRule.gated_delta_rule, description="The recurrence the function computes.")
+    form: DeltaRuleForm = Field(description="chunk (training, prefill) or recurrent (decode): declared per function.")
+
+
+Patch = Annotated[
+    Union[RmsNormPatch, GatedRmsNormPatch, SwigluPatch, RopePatch, LinearAttentionPatch],
+    Field(discriminator="op"),
+]
 
 
 class TinyModel(StrictModel):

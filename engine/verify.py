@@ -28,6 +28,7 @@ from torch import nn
 
 from engine import routing
 from engine.errors import VerificationFailed
+from engine.hub_functions import torch_body, torch_path
 from engine.kernels import registry
 from engine.ops.base import ModuleOp, get_op
 from engine.report import format_table
@@ -240,12 +241,32 @@ def _capture(model: nn.Module, decisions: Sequence[Any], batch: dict[str, torch.
     try:
         with torch.no_grad():
             model(**{k: v for k, v in batch.items() if k != "labels"})
+            if any(d.path not in captured for d in decisions):
+                _decode_step(model, batch)
     finally:
         for h in handles:
             h.remove()
         for router, observe in observers:
             router.observers.remove(observe)
     return captured
+
+
+def _decode_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    """Prefill, then one cached token: reaches functions only decode calls (a recurrent kernel).
+
+    A model that cannot decode this way simply leaves those functions uncaptured, and the
+    verification reports them as never called.
+    """
+    ids = batch["input_ids"]
+    if ids.shape[-1] < 2:
+        return
+    try:
+        out = model(input_ids=ids[:, :-1], use_cache=True)
+        cache = getattr(out, "past_key_values", None)
+        if cache is not None:
+            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    except (TypeError, ValueError, NotImplementedError):
+        return
 
 
 def _low_precision(model: nn.Module) -> torch.dtype:
@@ -393,7 +414,9 @@ def _verify_function(d: Any, args: Any, kwargs: Any, low: torch.dtype) -> list[C
     for dtype in (torch.float32, low):
         a, k = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
         with torch.no_grad():
-            ma, mr, ok = compare(impl(*a, **k), router.original(*a, **k))
+            # The original's torch body: transformers may have bound the name to a package
+            # (fla) that does not run on this device; its torch function is the ground truth.
+            ma, mr, ok = compare(impl(*a, **k), torch_body(router.original)(*a, **k))
         note = "" if ok else f"kernel {d.kernel} does not compute what {d.site.function} computes"
         checks.append(Check(d.path, "function", d.op, "kernel", _DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
     return checks
@@ -408,7 +431,12 @@ def compare_models(
     if reference is None:
         reference = copy.deepcopy(patched)
         revert(reference)
-    ref_out, pat_out = (_forward_backward(m, batch) for m in (reference, patched))
+    # The unpatched reference runs transformers' torch functions even where transformers
+    # bound them to a package at import (fla on a CPU); no-op otherwise. The patched model
+    # runs as it is: if it still reaches fla on a CPU, verification must fail, not hide it.
+    with torch_path(reference):
+        ref_out = _forward_backward(reference, batch)
+    pat_out = _forward_backward(patched, batch)
     cls = type(patched).__name__
     dtype = _DTYPE_NAMES.get(ref_out.logits.dtype, str(ref_out.logits.dtype))
     checks = [

@@ -108,7 +108,8 @@ def test_silu_declared_on_a_sigmoid_gated_norm() -> None:
 
     decision = engine.plan(model, _patchset("kimi_linear", right), device="cpu").patched[0]
     silu = dataclasses.replace(decision, patch=decision.patch.model_copy(update={"activation": Activation.silu}))
-    captured = verify_module._capture(model, [silu], verify_module.probe_batch(model))
+    with engine.torch_path(model):  # unpatched: with fla installed, KDA is bound to fla, which needs a GPU
+        captured = verify_module._capture(model, [silu], verify_module.probe_batch(model))
     args, kwargs = captured[silu.path]
     module = dict(model.named_modules())[silu.path]
     checks = verify_module._verify_module(silu, module, args, kwargs, torch.bfloat16)

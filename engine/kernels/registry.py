@@ -33,7 +33,7 @@ ALL_DEVICES: frozenset[Device] = frozenset(Device)
 #: for an op are passed over; ``torch`` (the reference) ends every list.
 AUTO_ORDER: dict[Device, tuple[str, ...]] = {
     Device.cuda: ("liger", "fla", "torch"),
-    Device.npu: ("npu", "torch"),
+    Device.npu: ("npu", "fla", "torch"),
     Device.cpu: ("compiled", "torch"),
     Device.xpu: ("torch",),
     Device.mps: ("torch",),
@@ -47,6 +47,8 @@ class Dependency:
     module: str  # import name, e.g. "liger_kernel"
     package: str  # distribution name, e.g. "liger-kernel"
     extra: str  # our extra, e.g. "cuda"
+    #: What else the package needs when it is installed but does not import (e.g. CANN for torch_npu).
+    broken_hint: str = ""
 
     def check(self) -> None:
         """Import the module; raise :class:`MissingDependency` that says how to fix it."""
@@ -56,8 +58,9 @@ class Dependency:
         try:
             importlib.import_module(self.module)
         except Exception as exc:  # installed but broken, e.g. torch_npu without CANN
+            hint = f" {self.broken_hint}" if self.broken_hint else ""
             raise MissingDependency(
-                f"{self.package} is installed but `import {self.module}` failed: {type(exc).__name__}: {exc}"
+                f"{self.package} is installed but `import {self.module}` failed: {type(exc).__name__}: {exc}.{hint}"
             ) from exc
 
 
@@ -74,6 +77,8 @@ class KernelProvider:
         requires: Python packages it imports.
         has_backward: whether autograd works through it (training needs it).
         compile_safe: whether ``torch.compile`` can trace it without an error.
+        supports: ``supports(patch) -> None`` if the provider reproduces the patch's declared
+            numerics, else the reason it does not (``kernel: auto`` then passes it over).
     """
 
     name: str
@@ -84,6 +89,7 @@ class KernelProvider:
     has_backward: bool = True
     compile_safe: bool = True
     description: str = ""
+    supports: Callable[[Any], str | None] | None = None
 
     def check_dependencies(self) -> None:
         for dep in self.requires:
