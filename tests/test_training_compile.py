@@ -18,7 +18,6 @@ import torch
 from conftest import tiny_for
 from training_helpers import extra_kernel, grads, max_diff, patched, qwen3_patchset
 
-import engine
 from engine.ops.rms_norm import rms_norm_reference
 from engine.ops.rope import rope_reference
 

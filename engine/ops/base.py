@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Literal
 
+import torch
 from torch import nn
 
 from engine.errors import SignatureMismatch
@@ -117,3 +118,22 @@ def require_single_input(module: nn.Module, op_name: str, *, forbid: tuple[str, 
             f"while {op_name} computes f(hidden_states) from one tensor. "
             "Pick the op that matches this forward (e.g. gated_rms_norm for a forward with a gate)."
         )
+
+
+def require_norm_attributes(module: nn.Module, eps_attr: str, weight_attr: str) -> torch.Tensor:
+    """Check that a norm module has a numeric eps and a tensor weight under the declared names.
+
+    Why: a wrong ``eps_attr`` would otherwise surface as an AttributeError mid-forward, or
+    worse, bind another number. Returns the weight.
+    """
+    cls = type(module).__name__
+    eps = getattr(module, eps_attr, None)
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool):
+        numeric = ", ".join(k for k, v in vars(module).items() if isinstance(v, float) and not k.startswith("_"))
+        raise SignatureMismatch(
+            f"{cls} has no numeric attribute {eps_attr!r} (eps_attr); numeric attributes it has: {numeric or 'none'}"
+        )
+    weight = getattr(module, weight_attr, None)
+    if not isinstance(weight, torch.Tensor):
+        raise SignatureMismatch(f"{cls} has no tensor attribute {weight_attr!r} (weight_attr)")
+    return weight

@@ -40,7 +40,13 @@ from torch import nn
 
 from engine.errors import SignatureMismatch
 from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
-from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
+from engine.ops.base import (
+    ModuleOp,
+    describe_signature,
+    forward_parameters,
+    register_op,
+    require_norm_attributes,
+)
 from engine.ops.rms_norm import effective_weight
 from engine.schema import Activation, CastOrder, GatedRmsNormPatch, GateOrder, Precision, Scale
 
@@ -189,16 +195,7 @@ class GatedRmsNormOp(ModuleOp):
                 f"{cls.__name__} declares order {patch.order.value!r}, but the module's own "
                 f"`norm_before_gate` is {before}; declare order: {actual.value}"
             )
-        eps = getattr(module, patch.eps_attr, None)
-        if not isinstance(eps, (float, int)) or isinstance(eps, bool):
-            numeric = ", ".join(k for k, v in vars(module).items() if isinstance(v, float) and not k.startswith("_"))
-            raise SignatureMismatch(
-                f"{cls.__name__} has no numeric attribute {patch.eps_attr!r} (eps_attr); "
-                f"numeric attributes it has: {numeric or 'none'}"
-            )
-        weight = getattr(module, patch.weight_attr, None)
-        if not isinstance(weight, torch.Tensor):
-            raise SignatureMismatch(f"{cls.__name__} has no tensor attribute {patch.weight_attr!r} (weight_attr)")
+        weight = require_norm_attributes(module, patch.eps_attr, patch.weight_attr)
         _group_size(module, patch, weight.shape[-1])
 
     def bind(self, module: nn.Module, patch: GatedRmsNormPatch, impl: Callable[..., Any]) -> Callable[..., Any]:

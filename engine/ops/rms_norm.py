@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.errors import SignatureMismatch
 from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
-from engine.ops.base import ModuleOp, register_op, require_single_input
+from engine.ops.base import ModuleOp, register_op, require_norm_attributes, require_single_input
 from engine.schema import CastOrder, Precision, RmsNormPatch, Scale
 
 __all__ = ["RmsNormOp", "rms_norm_reference", "effective_weight"]
@@ -77,16 +76,7 @@ class RmsNormOp(ModuleOp):
 
     def check_target(self, module: nn.Module, patch: RmsNormPatch) -> None:
         require_single_input(module, self.name, forbid=("gate",))
-        cls = type(module).__name__
-        eps = getattr(module, patch.eps_attr, None)
-        if not isinstance(eps, (float, int)) or isinstance(eps, bool):
-            raise SignatureMismatch(
-                f"{cls} has no numeric attribute {patch.eps_attr!r} (eps_attr); "
-                f"numeric attributes it has: {_numeric_attrs(module)}"
-            )
-        weight = getattr(module, patch.weight_attr, None)
-        if not isinstance(weight, torch.Tensor):
-            raise SignatureMismatch(f"{cls} has no tensor attribute {patch.weight_attr!r} (weight_attr)")
+        require_norm_attributes(module, patch.eps_attr, patch.weight_attr)
 
     def bind(self, module: nn.Module, patch: RmsNormPatch, impl: Callable[..., Any]) -> Callable[..., Any]:
         eps = float(getattr(module, patch.eps_attr))
@@ -112,7 +102,3 @@ class RmsNormOp(ModuleOp):
                 changed += [f"cast: {cast.value}"] if cast != patch.cast else []
                 yield ", ".join(changed), alt
 
-
-def _numeric_attrs(module: nn.Module) -> str:
-    names = [k for k, v in vars(module).items() if isinstance(v, float) and not k.startswith("_")]
-    return ", ".join(names) or "none"
