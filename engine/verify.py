@@ -19,7 +19,7 @@ Then the whole model: logits, loss and every parameter gradient, patched vs unpa
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +91,14 @@ class VerifyReport:
 
 def compare(actual: Any, expected: Any) -> tuple[float, float, bool]:
     """``(max abs err, max rel err, within tolerance)`` of two tensors or tuples of tensors."""
+    if isinstance(expected, Mapping):  # a ModelOutput: compare its tensor fields (not e.g. a cache object)
+        if not isinstance(actual, Mapping) or actual.keys() != expected.keys():
+            return float("inf"), float("inf"), False
+        keys = [k for k, v in expected.items() if isinstance(v, (torch.Tensor, tuple, list))]
+        expected, actual = [expected[k] for k in keys], [actual[k] for k in keys]
     if isinstance(expected, (tuple, list)):
+        if not expected:
+            return 0.0, 0.0, len(actual) == 0
         results = [compare(a, e) for a, e in zip(actual, expected, strict=True)]
         return max(r[0] for r in results), max(r[1] for r in results), all(r[2] for r in results)
     if not isinstance(expected, torch.Tensor):
@@ -291,7 +298,13 @@ def compare_models(
         outputs.append(out)
     ref_out, pat_out = outputs
     dtype = _DTYPE_NAMES.get(ref_out.logits.dtype, str(ref_out.logits.dtype))
-    for what, a, e in (("logits", pat_out.logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss)):
+    pat_logits, logits_what = pat_out.logits, "logits"
+    if pat_logits is None:  # a fused head + loss does not materialize them: compare the generation path
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad():
+            pat_logits = patched(**inputs).logits
+        logits_what = "logits (no labels)"
+    for what, a, e in ((logits_what, pat_logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss)):
         ma, mr, ok = compare(a, e)
         results.append(Check("<model>", type(patched).__name__, "-", what, dtype, ma, mr, ok))
     ref_params = dict(reference.named_parameters())
