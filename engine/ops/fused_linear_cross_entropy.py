@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: The fp32 logits of one chunk stay under this many bytes when ``chunk_size`` is not given.
-CHUNK_BUDGET_BYTES = 64 << 20
+CHUNK_BUDGET_BYTES = 128 << 20
 
 
 def auto_chunk_size(num_tokens: int, vocab: int) -> int:
@@ -105,14 +105,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad = grad.to(hidden.dtype)  # the model's logits.float() casts its gradient back
                 if need_h:
                     grad_h[start : start + chunk_size] = grad @ weight  # type: ignore[index]
-                if need_w:
+                if need_w and grad_w.dtype == h.dtype:  # type: ignore[union-attr]
+                    grad_w.addmm_(grad.t(), h)  # type: ignore[union-attr]  (accumulates in place, no temporary)
+                elif need_w:
                     grad_w.add_(grad.t() @ h)  # type: ignore[union-attr]
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        # Kept as attributes, not saved tensors: backward drops the last reference before returning
+        # them, so autograd adopts the buffers as .grad instead of copying a [vocab, hidden] tensor.
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return loss_sum / denominator
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        grad_h, grad_w = ctx.saved_tensors
+        grads = ctx.__dict__.pop("grads", None)
+        if grads is None:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: backward runs once per forward (the gradients are computed in the "
+                "forward and handed over); run the forward again instead of retain_graph=True"
+            )
+        grad_h, grad_w = grads
         if not bool(grad_output == 1):
             grad_h = None if grad_h is None else grad_h * grad_output.to(grad_h.dtype)
             grad_w = None if grad_w is None else grad_w * grad_output.to(grad_w.dtype)
