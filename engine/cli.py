@@ -1,4 +1,4 @@
-"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, demo, kernels.
+"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, demo, kernels, bench.
 
 Exit codes: 0 ok, 1 a check failed (invalid patchset, plan refused, verification
 failed), 2 usage error (bad arguments: unknown option, device or model type). With
@@ -139,6 +139,12 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patch-engine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,13 +182,20 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("kernels", help="list registered kernel providers")
     p.set_defaults(func=_cmd_kernels)
+
+    p = sub.add_parser("bench", help="benchmark patched vs eager, write JSON + PNG (patch-engine bench --help)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of engine.bench")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["bench"]:  # its own parser (engine.bench), options passed through untouched
+        return _cmd_bench(argparse.Namespace(bench_args=args_list[1:]))
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     try:

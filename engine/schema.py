@@ -33,6 +33,7 @@ __all__ = [
     "DeltaRule",
     "DeltaRuleForm",
     "LinearAttentionPatch",
+    "FusedLinearCrossEntropyPatch",
     "Patch",
     "ModulePatch",
     "FunctionPatch",
@@ -275,8 +276,26 @@ class LinearAttentionPatch(FunctionPatch):
     form: DeltaRuleForm = Field(description="chunk (training, prefill) or recurrent (decode): declared per function.")
 
 
+class FusedLinearCrossEntropyPatch(ModulePatch):
+    """Causal-LM head + loss fused: the loss from hidden states without the full ``[tokens, vocab]`` logits.
+
+    Targets the ``*ForCausalLM`` class. With labels in training the loss is computed chunk by
+    chunk (gradients included) and the output's ``logits`` is ``None``; without labels, or in
+    eval mode, the model's own forward runs unchanged.
+    """
+
+    op: Literal["fused_linear_cross_entropy"]
+    backbone: str = Field(default="model", description="Submodule returning last_hidden_state.")
+    lm_head: str = Field(default="lm_head", description="The output nn.Linear (no bias).")
+    chunk_size: int | None = Field(
+        default=None, ge=1,
+        description="Tokens per chunk; default: as many as keep one chunk's fp32 logits under 128 MiB.",
+    )
+
+
+
 Patch = Annotated[
-    Union[RmsNormPatch, GatedRmsNormPatch, SwigluPatch, RopePatch, LinearAttentionPatch],
+    Union[RmsNormPatch, GatedRmsNormPatch, SwigluPatch, RopePatch, LinearAttentionPatch, FusedLinearCrossEntropyPatch],
     Field(discriminator="op"),
 ]
 

@@ -19,7 +19,7 @@ Then the whole model: logits, loss and every parameter gradient, patched vs unpa
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,7 +169,14 @@ class VerifyReport:
 
 def compare(actual: Any, expected: Any) -> tuple[float, float, bool]:
     """``(max abs err, max rel err, within tolerance)`` of two tensors or tuples of tensors."""
+    if isinstance(expected, Mapping):  # a ModelOutput: compare its tensor fields (not e.g. a cache object)
+        if not isinstance(actual, Mapping) or actual.keys() != expected.keys():
+            return float("inf"), float("inf"), False
+        keys = [k for k, v in expected.items() if isinstance(v, (torch.Tensor, tuple, list))]
+        expected, actual = [expected[k] for k in keys], [actual[k] for k in keys]
     if isinstance(expected, (tuple, list)):
+        if not expected:
+            return 0.0, 0.0, len(actual) == 0
         results = [compare(a, e) for a, e in zip(actual, expected, strict=True)]
         return max(r[0] for r in results), max(r[1] for r in results), all(r[2] for r in results)
     if not isinstance(expected, torch.Tensor):
@@ -439,9 +446,15 @@ def compare_models(
     pat_out = _forward_backward(patched, batch)
     cls = type(patched).__name__
     dtype = _DTYPE_NAMES.get(ref_out.logits.dtype, str(ref_out.logits.dtype))
+    pat_logits, logits_what = pat_out.logits, "logits"
+    if pat_logits is None:  # a fused head + loss does not materialize them: compare the generation path
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad():
+            pat_logits = patched(**inputs).logits
+        logits_what = "logits (no labels)"
     checks = [
         Check(MODEL, cls, "-", what, dtype, *compare(got, want))
-        for what, got, want in (("logits", pat_out.logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss))
+        for what, got, want in ((logits_what, pat_logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss))
     ]
     checks.append(_compare_grads(patched, reference, cls, dtype))
     patched.zero_grad(set_to_none=True)

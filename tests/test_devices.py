@@ -19,6 +19,7 @@ import torch
 from engine.devices import as_device, current_device
 from engine.errors import DeviceUnsupported, MissingDependency
 from engine.kernels import registry
+from engine.kernels.compiled import CompilerRequirement
 from engine.kernels.npu import TORCH_NPU
 from engine.planner import resolve_kernel
 from engine.schema import (
@@ -157,7 +158,7 @@ PATCHES = {
     "rope": RopePatch(op="rope"),
     "linear_attention": LinearAttentionPatch(op="linear_attention", function="f", form="chunk"),
 }
-VENDOR_MODULES = {"torch_npu", "liger_kernel", "fla"}
+VENDOR_MODULES = {"torch_npu", "liger_kernel", "fla", "torch._inductor"}  # the last: compiled's C++ compiler
 
 
 @pytest.fixture
@@ -170,14 +171,15 @@ def importable(monkeypatch: pytest.MonkeyPatch):
                 raise MissingDependency(f"{self.package} is not installed (declared by the test)")
 
         monkeypatch.setattr(registry.Dependency, "check", check)
+        monkeypatch.setattr(CompilerRequirement, "check", check)
 
     return declare
 
 
 #: auto's pick per (op, device) with every vendor package importable / with none.
 AUTO_ALL = {
-    "rms_norm": {"cpu": "torch", "cuda": "liger", "npu": "npu"},
-    "swiglu": {"cpu": "torch", "cuda": "liger", "npu": "npu"},
+    "rms_norm": {"cpu": "compiled", "cuda": "liger", "npu": "npu"},
+    "swiglu": {"cpu": "compiled", "cuda": "liger", "npu": "npu"},
     "rope": {"cpu": "torch", "cuda": "liger", "npu": "npu"},
     "linear_attention": {"cpu": "torch", "cuda": "fla", "npu": "fla"},
 }

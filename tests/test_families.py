@@ -19,13 +19,22 @@ from engine.verify import compare, probe_batch
 
 NAMES = bundled_names()
 
+#: Patchsets that are not bit-exact in bf16 by design, and why; they are held to bf16 rounding instead.
+NOT_BIT_EXACT_BF16 = {
+    "qwen3_flce": "the fused loss sums per-token fp32 losses chunk by chunk, in another order",
+}
+
 
 def _loss_logits_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     model.zero_grad(set_to_none=True)
     out = model(**batch)
     out.loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads
+    logits = out.logits
+    if logits is None:  # a fused head + loss returns no logits in training; compare the generation path
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits
+    return logits.detach(), out.loss.detach(), grads
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -48,6 +57,10 @@ def test_patched_equals_unpatched(name: str, dtype: torch.dtype) -> None:
         ref = _loss_logits_grads(reference, batch)
     pat = _loss_logits_grads(patched, batch)
     atol = 1e-5 if dtype is torch.float32 else 0.0  # the torch reference follows the same cast order
+    if dtype is torch.bfloat16 and name in NOT_BIT_EXACT_BF16:
+        for got, want in ((pat[0], ref[0]), (pat[1], ref[1]), *((pat[2][k], ref[2][k]) for k in ref[2])):
+            assert compare(got, want)[2], compare(got, want)
+        return
     assert torch.allclose(pat[0].float(), ref[0].float(), atol=atol, rtol=0), compare(pat[0], ref[0])
     assert torch.allclose(pat[1].float(), ref[1].float(), atol=atol, rtol=0)
     assert pat[2].keys() == ref[2].keys() and ref[2]

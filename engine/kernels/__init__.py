@@ -6,4 +6,4 @@ matters when a plan actually chooses that provider.
 """
 
 import engine.ops  # noqa: F401  (the torch reference of every op)
-from engine.kernels import fla, liger, npu  # noqa: F401  (import registers)
+from engine.kernels import compiled, fla, liger, liger_flce, npu  # noqa: F401  (import registers)

@@ -1,0 +1,79 @@
+"""``liger`` provider of ``fused_linear_cross_entropy``: Liger-Kernel's Triton FLCE (CUDA).
+
+Kept in its own file (not a general ``liger.py``) so the norm/MLP liger providers can live
+elsewhere without a merge; the lead may fold it into one liger backend file.
+
+The argument mapping is the risk here: ``LigerFusedLinearCrossEntropyFunction.apply`` takes
+only positional arguments, and its parameter list has grown between releases (0.8.5 has 18).
+So the call is built by binding keyword arguments to the installed ``forward``'s own signature
+(:func:`liger_arguments`), never by position. ``num_items_in_batch`` maps to
+``reduction="sum"`` followed by a division, exactly as transformers' ``fixed_cross_entropy``
+and Liger's own ``LigerForCausalLMLoss`` do; the head-gradient accumulation runs in fp32
+(``accum_dtype``). Not run here (no GPU): tests/test_flce.py checks the mapping against the
+installed signature when liger-kernel imports, and against a torch emulator of the documented
+contract otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.kernels.registry import Dependency, KernelProvider, register
+from engine.schema import Device
+
+__all__ = ["liger_arguments", "liger_flce", "LIGER"]
+
+LIGER = Dependency(module="liger_kernel", package="liger-kernel", extra="cuda")
+
+
+def liger_arguments(forward: Callable[..., Any], **kwargs: Any) -> tuple[Any, ...]:
+    """Positional arguments for ``Function.apply`` from keyword arguments, by ``forward``'s signature.
+
+    Raises:
+        TypeError: a keyword the installed version does not take (named by ``inspect``).
+    """
+    params = list(inspect.signature(forward).parameters.values())[1:]  # drop ctx
+    bound = inspect.Signature(params).bind(**kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments[p.name] for p in params)
+
+
+def liger_flce(function: Any) -> Callable[..., torch.Tensor]:
+    """The kernel for a Liger ``LigerFusedLinearCrossEntropyFunction``-like ``function``."""
+
+    def kernel(
+        hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+        ignore_index: int = -100, num_items_in_batch: Any = None, chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        args = liger_arguments(
+            function.forward, _input=hidden, weight=weight, target=target, ignore_index=ignore_index,
+            reduction=reduction, accum_dtype=torch.float32,
+        )
+        out = function.apply(*args)
+        loss = out[0] if isinstance(out, tuple) else out
+        return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+    return kernel
+
+
+def _build(patch: Any) -> Callable[..., torch.Tensor]:
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    return liger_flce(LigerFusedLinearCrossEntropyFunction)
+
+
+register(
+    KernelProvider(
+        name="liger",
+        op="fused_linear_cross_entropy",
+        devices=frozenset({Device.cuda}),
+        build=_build,
+        requires=(LIGER,),
+        description="Liger-Kernel Triton fused linear cross-entropy (chunk size chosen by Liger)",
+    )
+)

@@ -1,0 +1,103 @@
+"""The ``compiled`` provider (torch.compile of the reference) matches the reference, with gradients.
+
+Few and small on purpose: every new dtype, rank or grad mode is a compile (seconds on 2 cores).
+Shapes are those of the tiny qwen3 (hidden 64, 3-D) so the model-level test reuses the compiles.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_for
+
+import engine
+from engine.kernels import compiled, registry
+from engine.ops.rms_norm import rms_norm_reference
+from engine.ops.swiglu import silu_mul_reference
+from engine.planner import plan
+from engine.schema import RmsNormPatch, Scale, SwigluPatch
+from engine.verify import compare, probe_batch
+
+pytestmark = pytest.mark.skipif(compiled.find_cxx() is None, reason="no C++ compiler for inductor")
+
+
+@pytest.fixture(autouse=True)
+def _compiled_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled.ENV_SWITCH, "1")
+
+
+def _grads(fn, *inputs: torch.Tensor):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernels_match_reference_with_grads(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 64, generator=gen).to(dtype)
+    w = (1 + 0.2 * torch.randn(64, generator=gen)).to(dtype)
+    patch = RmsNormPatch(target="X", op="rms_norm", scale=Scale.weight)
+    kernel = registry.get("compiled", "rms_norm").build(patch)
+    got = _grads(lambda a, b: kernel(a, b, 1e-6), x, w)
+    want = _grads(lambda a, b: rms_norm_reference(a, b, 1e-6), x, w)
+    gate, up = torch.randn(2, 5, 128, generator=gen).to(dtype), torch.randn(2, 5, 128, generator=gen).to(dtype)
+    swiglu = registry.get("compiled", "swiglu").build(SwigluPatch(target="M", op="swiglu"))
+    got += _grads(swiglu, gate, up)
+    want += _grads(silu_mul_reference, gate, up)
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == r.dtype
+        if dtype is torch.float32:
+            assert torch.allclose(g, r, atol=1e-5, rtol=1e-5), (g - r).abs().max()
+        else:  # within bf16 rounding of the tensor's scale (inductor rounds and reduces in another order;
+            # the weight gradient is a sum over tokens, so its error is relative to the terms, not the result)
+            err = (g.float() - r.float()).abs().max()
+            assert err <= 2**-7 * r.float().abs().max(), (err, compare(g, r))
+
+
+def test_auto_picks_compiled_on_cpu_and_the_model_matches() -> None:
+    reference = tiny_for("qwen3")
+    patched = copy.deepcopy(reference)
+    report = engine.apply(patched, "qwen3", device="cpu")
+    kernels = {d.op: d.kernel for d in report.decisions if d.action == "patch"}
+    assert kernels == {"rms_norm": "compiled", "swiglu": "compiled", "rope": "torch"}
+    batch = probe_batch(reference, seq=24)
+    outs = []
+    for m in (reference, patched):
+        out = m(**batch)
+        out.loss.backward()
+        outs.append((out, {k: p.grad for k, p in m.named_parameters()}))
+    (ref, ref_grads), (pat, pat_grads) = outs
+    assert torch.allclose(pat.logits, ref.logits, atol=1e-5, rtol=0)
+    assert abs(float(pat.loss.detach()) - float(ref.loss.detach())) <= 1e-5
+    for k in ref_grads:
+        assert torch.allclose(pat_grads[k], ref_grads[k], atol=1e-5, rtol=0), k
+
+
+def test_no_compiler_falls_back_to_torch_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "find_cxx", lambda: None)
+    the_plan = plan(tiny_for("qwen3"), "qwen3", device="cpu")
+    norm = next(d for d in the_plan.decisions if d.op == "rms_norm")
+    assert norm.kernel == "torch" and "C++ compiler" in norm.reason
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled.ENV_SWITCH, "0")
+    norm = next(d for d in plan(tiny_for("qwen3"), "qwen3", device="cpu").decisions if d.op == "rms_norm")
+    assert norm.kernel == "torch" and compiled.ENV_SWITCH in norm.reason
+
+
+def test_compile_failure_at_runtime_warns_and_uses_the_reference() -> None:
+    def broken(*args):
+        raise RuntimeError("C++ compile failed")
+
+    kernel = compiled._CompiledKernel(broken, silu_mul_reference, "swiglu")
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.warns(RuntimeWarning, match="using the torch reference"):
+        assert torch.equal(kernel(a, b), silu_mul_reference(a, b))
+    assert kernel.failed and torch.equal(kernel(a, b), silu_mul_reference(a, b))
+    with pytest.raises(RuntimeError, match="size"):  # a genuine input error is the reference's error
+        kernel(a, torch.randn(5, 4))
