@@ -85,8 +85,8 @@ def _patch_module(module: torch.nn.Module, op_name: str, patch: Any) -> str:
 
 
 def bench_ops(repeats: int, quick: bool) -> list[dict[str, Any]]:
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
     from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
     from engine.schema import RmsNormPatch, Scale, SwigluPatch
 
@@ -187,7 +187,7 @@ def bench_plan(repeats: int) -> dict[str, Any]:
         engine.revert(model)
         revert_t.append(time.perf_counter() - start)
     patched = sum(1 for d in report.decisions if d.action == "patch")
-    med = lambda v: statistics.median(v[1:]) * 1e3  # noqa: E731
+    med = lambda v: statistics.median(v[1:]) * 1e3
     return {"layers": 64, "modules_patched": patched, "plan_ms": med(plan_t), "apply_ms": med(apply_t),
             "revert_ms": med(revert_t), "note": "apply_ms includes its own plan (apply plans, then patches)"}
 

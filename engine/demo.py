@@ -17,7 +17,7 @@ from engine.patcher import apply
 from engine.tiny import build_tiny_model
 from engine.verify import compare
 
-__all__ = ["run_demo", "DEMO_CONFIG"]
+__all__ = ["DEMO_CONFIG", "run_demo"]
 
 DEMO_CONFIG = {
     "hidden_size": 256,

@@ -14,7 +14,7 @@ import torch
 
 from engine.schema import Device
 
-__all__ = ["current_device", "as_device"]
+__all__ = ["as_device", "current_device"]
 
 
 @lru_cache(maxsize=1)

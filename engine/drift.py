@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Param", "parse_signature", "signature_text", "signature_changes"]
+__all__ = ["Param", "parse_signature", "signature_changes", "signature_text"]
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,17 @@ PyTorch user would reach for first (``ValueError``, ``LookupError``, ``ImportErr
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyPatched",
+    "DeviceUnsupported",
+    "KernelNotFound",
+    "MissingDependency",
+    "ModelTypeMismatch",
     "PatchError",
     "PatchsetError",
-    "ModelTypeMismatch",
-    "VersionMismatch",
-    "TargetNotFound",
     "SignatureMismatch",
-    "DeviceUnsupported",
-    "MissingDependency",
-    "KernelNotFound",
-    "AlreadyPatched",
+    "TargetNotFound",
     "VerificationFailed",
+    "VersionMismatch",
 ]
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from engine import routing
 
-__all__ = ["hub_binding", "torch_body", "bound_functions", "torch_path"]
+__all__ = ["bound_functions", "hub_binding", "torch_body", "torch_path"]
 
 
 def _closure(fn: Any) -> dict[str, Any]:

@@ -34,18 +34,18 @@ from engine.errors import PatchsetError
 from engine.schema import Patch, Patchset
 
 __all__ = [
-    "load_patchset",
-    "patch_location",
+    "MAX_BYTES",
+    "MAX_DEPTH",
+    "MAX_EXTENDS",
+    "MAX_NODES",
     "bundled_dir",
     "bundled_names",
-    "resolve",
     "json_schema",
     "json_schema_text",
+    "load_patchset",
+    "patch_location",
+    "resolve",
     "write_json_schema",
-    "MAX_DEPTH",
-    "MAX_NODES",
-    "MAX_BYTES",
-    "MAX_EXTENDS",
 ]
 
 #: Deepest nesting of mappings and lists a patchset may have.
@@ -176,7 +176,7 @@ class _Loader(yaml.SafeLoader):
         self._depth = 0
         self._nodes = 0
 
-    def compose_node(self, parent, index):  # noqa: D102  (PyYAML's hook)
+    def compose_node(self, parent, index):
         self._depth += 1
         self._nodes += 1
         try:
@@ -237,7 +237,6 @@ class _Builder:
                 path,
             )
         )
-        return None
 
     def scalar(self, node: yaml.ScalarNode, path: Path_) -> Any:
         if node.tag in _AS_STRING_TAGS:
@@ -590,10 +589,7 @@ def _map_loc(data: Any, loc: tuple) -> Path_:
     path: list[Any] = []
     current = data
     for element in loc:
-        if isinstance(current, dict) and isinstance(element, str) and element in current:
-            current = current[element]
-            path.append(element)
-        elif (
+        if isinstance(current, dict) and isinstance(element, str) and element in current or (
             isinstance(current, list)
             and isinstance(element, int)
             and not isinstance(element, bool)

@@ -28,7 +28,7 @@ from engine.report import Report
 from engine.schema import Device, Patchset
 from engine.wrappers import unwrap
 
-__all__ = ["apply", "revert", "is_patched", "applied_report", "STATE_ATTR"]
+__all__ = ["STATE_ATTR", "applied_report", "apply", "is_patched", "revert"]
 
 STATE_ATTR = "_patch_engine_state"
 
@@ -36,7 +36,7 @@ STATE_ATTR = "_patch_engine_state"
 class _Missing:
     """Marks 'the instance had no forward attribute'; one object, also across deepcopy."""
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "_Missing":
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Missing:
         return self
 
     def __repr__(self) -> str:
@@ -102,7 +102,7 @@ class AppliedState:
             self.finalizer.detach()
             self.finalizer = None
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "AppliedState":
+    def __deepcopy__(self, memo: dict[int, Any]) -> AppliedState:
         # A deep-copied model is a second user of each function router.
         records = copy.deepcopy(self.records, memo)
         for rec in records:

@@ -34,7 +34,7 @@ from engine.kernels.registry import KernelProvider
 from engine.ops.base import FunctionOp, ModuleOp, get_op
 from engine.schema import Device, FunctionPatch, ModulePatch, OnUnsupported, Patchset
 
-__all__ = ["Decision", "FunctionSite", "Plan", "plan", "resolve_kernel", "Mode"]
+__all__ = ["Decision", "FunctionSite", "Mode", "Plan", "plan", "resolve_kernel"]
 
 Mode = Literal["training", "inference"]
 Action = Literal["patch", "skip"]

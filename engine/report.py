@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.planner import Decision, Plan
 
-__all__ = ["Report", "format_table", "format_decisions"]
+__all__ = ["Report", "format_decisions", "format_table"]
 
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -21,15 +21,17 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _grouped(decisions: Iterable["Decision"]) -> list[tuple[str, str, str, str, int, str]]:
+def _grouped(decisions: Iterable[Decision]) -> list[tuple[str, str, str, str, int, str]]:
     groups: dict[tuple[str, str, str, str, str], int] = {}
     for d in decisions:
-        key = (d.cls if d.cls != "function" else d.path, d.op, d.kernel or "-", d.action, d.reason)
+        # functions read as `modeling_qwen3.apply_rotary_pos_emb`, not the whole dotted module path
+        target = d.cls if d.cls != "function" else ".".join(d.path.rsplit(".", 2)[-2:])
+        key = (target, d.op, d.kernel or "-", d.action, d.reason)
         groups[key] = groups.get(key, 0) + 1
     return [(t, op, k, a, n, why) for (t, op, k, a, why), n in groups.items()]
 
 
-def format_decisions(decisions: Iterable["Decision"], *, detail: bool = False) -> str:
+def format_decisions(decisions: Iterable[Decision], *, detail: bool = False) -> str:
     if detail:
         return format_table(
             ("module", "class", "op", "kernel", "decision", "why"),
@@ -46,11 +48,11 @@ class Report:
     model_type: str
     device: str
     mode: str
-    decisions: tuple["Decision", ...]
+    decisions: tuple[Decision, ...]
     verification: Any = field(default=None)
 
     @classmethod
-    def from_plan(cls, plan: "Plan") -> "Report":
+    def from_plan(cls, plan: Plan) -> Report:
         return cls(plan.patchset.name, plan.model_type, plan.device.value, plan.mode, plan.decisions)
 
     @property

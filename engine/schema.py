@@ -17,27 +17,27 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 __all__ = [
-    "Device",
-    "OnUnsupported",
-    "Scale",
-    "CastOrder",
-    "Precision",
     "Activation",
-    "GateOrder",
-    "KernelSpec",
-    "Requires",
-    "RmsNormPatch",
-    "GatedRmsNormPatch",
-    "SwigluPatch",
-    "RopePatch",
+    "CastOrder",
     "DeltaRule",
     "DeltaRuleForm",
-    "LinearAttentionPatch",
-    "FusedLinearCrossEntropyPatch",
-    "Patch",
-    "ModulePatch",
+    "Device",
     "FunctionPatch",
+    "FusedLinearCrossEntropyPatch",
+    "GateOrder",
+    "GatedRmsNormPatch",
+    "KernelSpec",
+    "LinearAttentionPatch",
+    "ModulePatch",
+    "OnUnsupported",
+    "Patch",
     "Patchset",
+    "Precision",
+    "Requires",
+    "RmsNormPatch",
+    "RopePatch",
+    "Scale",
+    "SwigluPatch",
 ]
 
 
@@ -225,7 +225,7 @@ class GatedRmsNormPatch(ModulePatch):
     )
 
     @model_validator(mode="after")
-    def _one_group_setting(self) -> "GatedRmsNormPatch":
+    def _one_group_setting(self) -> GatedRmsNormPatch:
         given = [k for k in ("group_size", "group_size_attr", "num_groups_attr") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"set at most one of group_size, group_size_attr, num_groups_attr (got {', '.join(given)})")
@@ -295,7 +295,7 @@ class FusedLinearCrossEntropyPatch(ModulePatch):
 
 
 Patch = Annotated[
-    Union[RmsNormPatch, GatedRmsNormPatch, SwigluPatch, RopePatch, LinearAttentionPatch, FusedLinearCrossEntropyPatch],
+    RmsNormPatch | GatedRmsNormPatch | SwigluPatch | RopePatch | LinearAttentionPatch | FusedLinearCrossEntropyPatch,
     Field(discriminator="op"),
 ]
 
@@ -324,7 +324,7 @@ class Patchset(StrictModel):
     _origins: dict[tuple[Any, ...], tuple[str | None, int | None]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
-    def _unique_targets(self) -> "Patchset":
+    def _unique_targets(self) -> Patchset:
         seen: dict[str, int] = {}
         for i, patch in enumerate(self.patches):
             key = patch_key(patch)

@@ -33,7 +33,7 @@ from engine.kernels import registry
 from engine.ops.base import ModuleOp, get_op
 from engine.report import format_table
 
-__all__ = ["Check", "VerifyReport", "verify", "compare", "TOLERANCES", "probe_batch", "compare_models", "MODEL"]
+__all__ = ["MODEL", "TOLERANCES", "Check", "VerifyReport", "compare", "compare_models", "probe_batch", "verify"]
 
 #: (atol, rtol) per dtype for kernel-vs-original comparisons (torch.testing's defaults).
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {

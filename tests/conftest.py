@@ -18,8 +18,8 @@ os.environ.setdefault("PATCH_ENGINE_COMPILE", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.loader import bundled_names, load_patchset  # noqa: E402
-from engine.tiny import build_tiny_model  # noqa: E402
+from engine.loader import bundled_names, load_patchset
+from engine.tiny import build_tiny_model
 
 
 def tiny_for(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:

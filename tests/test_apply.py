@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import tiny_for
 from snapshots import assert_same, snapshot
+from transformers.models.qwen3 import modeling_qwen3
 
 import engine
 from engine import routing
 from engine.verify import probe_batch
-from transformers.models.qwen3 import modeling_qwen3
 
 
 def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

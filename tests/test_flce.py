@@ -18,8 +18,8 @@ from conftest import tiny_for
 
 import engine
 from engine.errors import SignatureMismatch
-from engine.ops.base import get_op
 from engine.kernels.liger_flce import liger_arguments, liger_flce
+from engine.ops.base import get_op
 from engine.ops.fused_linear_cross_entropy import chunked_linear_cross_entropy, linear_cross_entropy_reference
 from engine.verify import compare, probe_batch
 

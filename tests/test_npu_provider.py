@@ -23,6 +23,7 @@ from engine.ops.rms_norm import rms_norm_reference
 from engine.schema import CastOrder, Precision, Scale
 from engine.verify import probe_batch
 
+
 @pytest.fixture
 def torch_npu(monkeypatch: pytest.MonkeyPatch):
     module = make_torch_npu()

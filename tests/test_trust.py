@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from snapshots import assert_same, snapshot
+from transformers.models.qwen3 import modeling_qwen3
 
 import engine
 from engine import patcher, routing
@@ -22,7 +23,6 @@ from engine.kernels import registry
 from engine.ops.rms_norm import RmsNormOp
 from engine.tiny import build_tiny_model
 from engine.verify import probe_batch
-from transformers.models.qwen3 import modeling_qwen3
 
 QWEN3_5 = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 16, "linear_key_head_dim": 16,
            "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}

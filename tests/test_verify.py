@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import tiny_for
 from snapshots import assert_same, snapshot
+from transformers.models.qwen3 import modeling_qwen3
 
 import engine
 from engine import routing
-from engine.tiny import build_tiny_model
 from engine.schema import Activation
+from engine.tiny import build_tiny_model
 from engine.verify import Check
-from transformers.models.qwen3 import modeling_qwen3
 
 
 def _rms(target: str, **settings: str) -> dict:

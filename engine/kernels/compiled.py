@@ -38,7 +38,7 @@ from engine.errors import MissingDependency
 from engine.kernels.registry import KernelProvider, register
 from engine.schema import Device
 
-__all__ = ["COMPILED_OPS", "ENV_SWITCH", "find_cxx", "CompilerRequirement", "compiled_kernel", "clear_cache"]
+__all__ = ["COMPILED_OPS", "ENV_SWITCH", "CompilerRequirement", "clear_cache", "compiled_kernel", "find_cxx"]
 
 #: Set to ``0`` to disable compiled kernels (``auto`` then picks ``torch``, bit-exact with transformers).
 ENV_SWITCH = "PATCH_ENGINE_COMPILE"
@@ -77,7 +77,7 @@ class CompilerRequirement:
 class _CompiledKernel:
     """Calls the compiled function; on a compile failure, warns once and uses the reference."""
 
-    __slots__ = ("compiled", "reference", "label", "failed")
+    __slots__ = ("compiled", "failed", "label", "reference")
 
     def __init__(self, compiled: Callable[..., Any], reference: Callable[..., Any], label: str):
         self.compiled, self.reference, self.label, self.failed = compiled, reference, label, False

@@ -25,7 +25,7 @@ import torch
 from engine.kernels.registry import Dependency, KernelProvider, register
 from engine.schema import Device
 
-__all__ = ["liger_arguments", "liger_flce", "LIGER"]
+__all__ = ["LIGER", "liger_arguments", "liger_flce"]
 
 LIGER = Dependency(module="liger_kernel", package="liger-kernel", extra="cuda")
 

@@ -33,7 +33,7 @@ from engine.kernels.registry import Dependency, KernelProvider, register
 from engine.ops.rms_norm import effective_weight
 from engine.schema import CastOrder, Device, Precision, Scale
 
-__all__ = ["TORCH_NPU", "npu_rms_norm_kernel", "NPU_DEVICES"]
+__all__ = ["NPU_DEVICES", "TORCH_NPU", "npu_rms_norm_kernel"]
 
 TORCH_NPU = Dependency(
     "torch_npu",
@@ -49,7 +49,7 @@ NPU_DEVICES = frozenset({Device.npu})
 
 
 def _torch_npu() -> Any:
-    import torch_npu  # noqa: PLC0415  (lazy: importing it without CANN fails)
+    import torch_npu
 
     return torch_npu
 

@@ -17,14 +17,14 @@ from engine.errors import KernelNotFound, MissingDependency
 from engine.schema import Device
 
 __all__ = [
+    "ALL_DEVICES",
+    "AUTO_ORDER",
     "Dependency",
     "KernelProvider",
-    "register",
     "get",
-    "providers_for",
     "kernel_names",
-    "AUTO_ORDER",
-    "ALL_DEVICES",
+    "providers_for",
+    "register",
 ]
 
 ALL_DEVICES: frozenset[Device] = frozenset(Device)

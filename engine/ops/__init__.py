@@ -10,4 +10,4 @@ from engine.ops import (  # noqa: F401  (import registers)
 )
 from engine.ops.base import FunctionOp, ModuleOp, Op, all_ops, get_op
 
-__all__ = ["Op", "ModuleOp", "FunctionOp", "get_op", "all_ops"]
+__all__ = ["FunctionOp", "ModuleOp", "Op", "all_ops", "get_op"]

@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.errors import SignatureMismatch
 
-__all__ = ["Op", "ModuleOp", "FunctionOp", "register_op", "get_op", "all_ops", "forward_parameters"]
+__all__ = ["FunctionOp", "ModuleOp", "Op", "all_ops", "forward_parameters", "get_op", "register_op"]
 
 
 class Op:

@@ -37,11 +37,11 @@ from engine.ops.base import ModuleOp, describe_signature, forward_parameters, re
 from engine.schema import FusedLinearCrossEntropyPatch
 
 __all__ = [
+    "CHUNK_BUDGET_BYTES",
     "FusedLinearCrossEntropyOp",
+    "auto_chunk_size",
     "chunked_linear_cross_entropy",
     "linear_cross_entropy_reference",
-    "auto_chunk_size",
-    "CHUNK_BUDGET_BYTES",
 ]
 
 #: The fp32 logits of one chunk stay under this many bytes when ``chunk_size`` is not given.

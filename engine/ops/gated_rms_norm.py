@@ -50,7 +50,7 @@ from engine.ops.base import (
 from engine.ops.rms_norm import effective_weight
 from engine.schema import Activation, CastOrder, GatedRmsNormPatch, GateOrder, Precision, Scale
 
-__all__ = ["GatedRmsNormOp", "gated_rms_norm_reference", "gate_missing_message", "GATE_PARAM"]
+__all__ = ["GATE_PARAM", "GatedRmsNormOp", "gate_missing_message", "gated_rms_norm_reference"]
 
 #: The name of the gate parameter in every gated norm of transformers 5.24 (16 classes).
 GATE_PARAM = "gate"

@@ -32,7 +32,7 @@ from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import FunctionOp, register_op
 from engine.schema import DeltaRule, DeltaRuleForm, LinearAttentionPatch
 
-__all__ = ["LinearAttentionOp", "torch_reference", "REFERENCES"]
+__all__ = ["REFERENCES", "LinearAttentionOp", "torch_reference"]
 
 #: Where the op's ground truth lives: transformers' torch functions, per (rule, form).
 REFERENCES: dict[tuple[DeltaRule, DeltaRuleForm], tuple[str, str]] = {

@@ -25,7 +25,7 @@ from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import ModuleOp, register_op, require_norm_attributes, require_single_input
 from engine.schema import CastOrder, Precision, RmsNormPatch, Scale
 
-__all__ = ["RmsNormOp", "rms_norm_reference", "effective_weight"]
+__all__ = ["RmsNormOp", "effective_weight", "rms_norm_reference"]
 
 
 def effective_weight(weight: torch.Tensor, scale: Scale) -> torch.Tensor:
