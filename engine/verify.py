@@ -35,7 +35,11 @@ from engine.report import format_table
 
 __all__ = ["MODEL", "TOLERANCES", "Check", "VerifyReport", "compare", "compare_models", "probe_batch", "verify"]
 
-#: (atol, rtol) per dtype for kernel-vs-original comparisons (torch.testing's defaults).
+#: (atol, rtol) per dtype for kernel-vs-original comparisons (torch.testing's defaults). An
+#: element passes within ``atol + rtol * max|reference|``: relative to the tensor's scale, not
+#: to the element, because a module's output is often a reduction (an MLP's down projection)
+#: over an intermediate a fused kernel rounds once instead of twice; near-zero outputs of such
+#: a sum carry the intermediate's rounding in absolute terms.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-5, 1.3e-6),
     torch.float64: (1e-7, 1e-7),
@@ -136,13 +140,15 @@ class VerifyReport:
 
     def legend(self) -> str:
         tol = ", ".join(
-            f"{name} {TOLERANCES[dt][0]:g}+{TOLERANCES[dt][1]:g}*|ref|"
+            f"{name} {TOLERANCES[dt][0]:g}+{TOLERANCES[dt][1]:g}*max|ref|"
             for dt, name in _DTYPE_NAMES.items() if name in (*self.dtypes, self.model_dtype)
         )
         return (
             "checks: declaration = the op's reference with the declared settings vs the original forward,\n"
             "        bit-exact in every dtype; kernel = the chosen kernel vs the original, within " + tol + ";\n"
             f"        {MODEL} = logits, loss and every parameter gradient vs the unpatched model ({self.model_dtype})"
+            + ("; where not equal, at most 2x as far from the fp32 model as the original"
+               if self.model_dtype in ("bf16", "fp16") else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -194,7 +200,8 @@ def compare(actual: Any, expected: Any) -> tuple[float, float, bool]:
     diff = (a - e).abs()
     max_abs = float(diff.max()) if diff.numel() else 0.0
     max_rel = float((diff / e.abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
-    ok = same_dtype and bool((diff <= atol + rtol * e.abs()).all())
+    scale = float(e.abs().max()) if e.numel() else 0.0
+    ok = same_dtype and bool((diff <= atol + rtol * scale).all())
     return max_abs, max_rel, ok
 
 
@@ -457,8 +464,62 @@ def compare_models(
         for what, got, want in ((logits_what, pat_logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss))
     ]
     checks.append(_compare_grads(patched, reference, cls, dtype))
+    if ref_out.logits.dtype in (torch.bfloat16, torch.float16) and any(c.max_abs != 0.0 for c in checks):
+        _judge_against_fp32(checks, patched, reference, batch, pat_logits, pat_out.loss, ref_out)
     patched.zero_grad(set_to_none=True)
     return checks
+
+
+#: A low-precision patched model passes where it is at most this many times further from the
+#: fp32 model than transformers' own low-precision model is.
+LOW_PRECISION_FACTOR = 2.0
+
+
+def _judge_against_fp32(
+    checks: list[Check], patched: nn.Module, reference: nn.Module, batch: dict[str, torch.Tensor],
+    pat_logits: torch.Tensor, pat_loss: torch.Tensor, ref_out: Any,
+) -> None:
+    """Judge the whole-model checks of a bf16/fp16 model that is not bit-equal against the fp32 model.
+
+    Why: a fused kernel that rounds once where eager rounds twice is not bit-equal to the
+    eager model, and after a few layers no fixed tolerance separates that from a bug. The
+    question that matters is whether the patched model is as faithful to the exact (fp32)
+    computation as the original low-precision model is. The weights are the same (the fp32
+    model is the reference cast up), so the fp32 run is the ground truth both approximate.
+    """
+    truth = copy.deepcopy(reference).float()
+    with torch_path(truth):
+        truth_out = _forward_backward(truth, batch)
+    pairs = {checks[0].what: (pat_logits, ref_out.logits, truth_out.logits), "loss": (pat_loss, ref_out.loss, truth_out.loss)}
+    for check in checks:
+        if check.what in pairs:
+            got, ref, exact = pairs[check.what]
+            ok, note = _as_faithful(got, ref, exact)
+        else:  # grads: every parameter
+            truth_grads = dict(truth.named_parameters())
+            ref_grads = dict(reference.named_parameters())
+            verdicts = []
+            for name, p in patched.named_parameters():
+                if p.grad is None or ref_grads[name].grad is None:
+                    continue
+                verdicts.append((*_as_faithful(p.grad, ref_grads[name].grad, truth_grads[name].grad), name))
+            bad = [v for v in verdicts if not v[0]]
+            ok = bool(verdicts) and not bad and "no gradient" not in check.note
+            note = f"{len(bad)} of {len(verdicts)} gradients further from fp32 than the original's" if bad else (
+                f"every gradient as close to fp32 as the original's (factor {LOW_PRECISION_FACTOR:g})")
+        check.passed = ok
+        check.note = note
+
+
+def _as_faithful(got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor | None) -> tuple[bool, str]:
+    if exact is None or got.dtype != ref.dtype:
+        return False, "dtype differs" if exact is not None else "no fp32 counterpart"
+    e = exact.detach().double()
+    err_patched = float((got.detach().double() - e).abs().max())
+    err_original = float((ref.detach().double() - e).abs().max())
+    scale = float(e.abs().max()) if e.numel() else 0.0
+    ok = err_patched <= LOW_PRECISION_FACTOR * err_original + 1e-6 * scale
+    return ok, f"vs fp32: patched {err_patched:.2g}, original {err_original:.2g}"
 
 
 def _forward_backward(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
