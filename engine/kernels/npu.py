@@ -24,6 +24,7 @@ fused op rounds exactly where transformers rounds):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,12 @@ def _torch_npu() -> Any:
     return torch_npu
 
 
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``gamma = 1`` of the llama order, made once per (width, dtype, device), not per call."""
+    return torch.ones(n, dtype=dtype, device=device)
+
+
 def npu_rms_norm_kernel(
     npu: Any, scale: Scale, cast: CastOrder, precision: Precision
 ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
@@ -65,7 +72,7 @@ def npu_rms_norm_kernel(
         if llama:
             if in_dtype == torch.float32:
                 return npu.npu_rms_norm(x, effective_weight(weight, scale).float(), eps)[0]
-            ones = torch.ones(x.shape[-1], dtype=in_dtype, device=x.device)
+            ones = _ones(x.shape[-1], in_dtype, x.device)
             return effective_weight(weight, scale) * npu.npu_rms_norm(x, ones, eps)[0]
         if scale is Scale.weight and weight.dtype == in_dtype:
             return npu.npu_rms_norm(x, weight, eps)[0]
