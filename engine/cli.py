@@ -126,14 +126,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_kernels(args: argparse.Namespace) -> int:
-    from engine.kernels.registry import _PROVIDERS, _ensure_loaded
+    from engine.kernels.registry import all_providers
     from engine.report import format_table
 
-    _ensure_loaded()
     rows = [
         (p.name, p.op, p.device_list(), ", ".join(d.package for d in p.requires) or "-",
          "yes" if p.has_backward else "no", "yes" if p.compile_safe else "no")
-        for p in sorted(_PROVIDERS.values(), key=lambda p: (p.op, p.name))
+        for p in sorted(all_providers(), key=lambda p: (p.op, p.name))
     ]
     print(format_table(("kernel", "op", "devices", "needs", "backward", "compile-safe"), rows))
     return EXIT_OK

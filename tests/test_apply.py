@@ -75,7 +75,7 @@ def test_function_patch_is_scoped_to_the_model(qwen3: torch.nn.Module) -> None:
         assert calls == []
     finally:
         engine.revert(qwen3)
-        del registry._PROVIDERS[("counting", "rope")]
+        registry.unregister("counting", "rope")
 
 
 def test_apply_twice_patches_once(qwen3: torch.nn.Module) -> None:

@@ -70,7 +70,7 @@ def cuda_only_kernel():
         name="gpuonly", op="rms_norm", devices=frozenset({registry.Device.cuda, registry.Device.npu}),
         build=lambda patch: (_ for _ in ()).throw(AssertionError("must not be built"))))
     yield provider
-    del registry._PROVIDERS[("gpuonly", "rms_norm")]
+    registry.unregister("gpuonly", "rms_norm")
 
 
 def _with_kernel(policy: str) -> dict:
@@ -118,7 +118,7 @@ def test_missing_dependency_names_package_and_extra(qwen3) -> None:
             engine.apply(qwen3, ps, device="cpu")
         assert_same(before, snapshot(qwen3))
     finally:
-        del registry._PROVIDERS[("needsdep", "swiglu")]
+        registry.unregister("needsdep", "swiglu")
 
 
 def test_unknown_device_is_a_usage_error(qwen3) -> None:

@@ -124,7 +124,7 @@ def test_planner_errors_point_at_the_patch(qwen3: torch.nn.Module, tmp_path: Pat
                            match=rf"^{tmp_path}/mine\.yaml:12: gpuonly2 requires cuda, current accelerator is cpu"):
             engine.plan(qwen3, str(_write(tmp_path, text)), device="cpu")
     finally:
-        del registry._PROVIDERS[(gpu.name, gpu.op)]
+        registry.unregister(gpu.name, gpu.op)
 
 
 # --------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def flaky_provider():
                                                   build=build_for(op)))
     yield calls
     for op in references:
-        del registry._PROVIDERS[("flaky", op)]
+        registry.unregister("flaky", op)
 
 
 def test_provider_failing_on_its_third_build_changes_nothing(qwen3, flaky_provider) -> None:

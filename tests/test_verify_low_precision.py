@@ -34,7 +34,7 @@ def swiglu_kernels():
         names.append(name)
     yield
     for name in names:
-        del registry._PROVIDERS[(name, "swiglu")]
+        registry.unregister(name, "swiglu")
 
 
 def _with_swiglu_kernel(kernel: str) -> dict:

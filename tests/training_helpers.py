@@ -35,7 +35,7 @@ def extra_kernel(name: str, op: str, fn: Callable[..., Any], *, compile_safe: bo
     try:
         yield
     finally:
-        del registry._PROVIDERS[(name, op)]
+        registry.unregister(name, op)
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

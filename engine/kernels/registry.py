@@ -25,6 +25,8 @@ __all__ = [
     "kernel_names",
     "providers_for",
     "register",
+    "unregister",
+    "all_providers",
 ]
 
 ALL_DEVICES: frozenset[Device] = frozenset(Device)
@@ -109,6 +111,20 @@ def register(provider: KernelProvider) -> KernelProvider:
         raise ValueError(f"kernel {provider.name!r} for op {provider.op!r} is already registered")
     _PROVIDERS[key] = provider
     return provider
+
+
+def unregister(name: str, op: str) -> KernelProvider:
+    """Remove a provider (plugins and tests that register their own); KernelNotFound if absent."""
+    try:
+        return _PROVIDERS.pop((name, op))
+    except KeyError:
+        raise KernelNotFound(f"no kernel {name!r} for op {op!r} is registered") from None
+
+
+def all_providers() -> list[KernelProvider]:
+    """Every registered provider, bundled ones included."""
+    _ensure_loaded()
+    return list(_PROVIDERS.values())
 
 
 def _ensure_loaded() -> None:
