@@ -5,7 +5,16 @@ Example:
     >>> report = engine.apply(model, "qwen3")          # doctest: +SKIP
     >>> print(report)                                  # doctest: +SKIP
     >>> engine.revert(model)                           # doctest: +SKIP
+
+``import engine`` imports neither torch nor transformers: the names below are loaded on
+first use (PEP 562), so ``engine.load_patchset`` and ``patch-engine validate`` stay fast
+enough for a pre-commit hook. The error types are plain and always loaded.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
     AlreadyPatched,
@@ -20,15 +29,32 @@ from engine.errors import (
     VerificationFailed,
     VersionMismatch,
 )
-from engine.hub_functions import torch_path
-from engine.loader import load_patchset
-from engine.patcher import apply, is_patched, revert
-from engine.planner import Plan, plan
-from engine.report import Report
-from engine.schema import Patchset
-from engine.verify import VerifyReport, verify
+
+if TYPE_CHECKING:
+    from engine.api import apply, is_patched, plan, revert, verify
+    from engine.hub_functions import torch_path
+    from engine.loader import load_patchset
+    from engine.planner import Plan
+    from engine.report import Report
+    from engine.schema import Patchset
+    from engine.verification import VerifyReport
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it, imported on first access.
+_LAZY: dict[str, str] = {
+    "apply": "engine.api",
+    "is_patched": "engine.api",
+    "plan": "engine.api",
+    "revert": "engine.api",
+    "verify": "engine.api",
+    "load_patchset": "engine.loader",
+    "Patchset": "engine.schema",
+    "Plan": "engine.planner",
+    "Report": "engine.report",
+    "VerifyReport": "engine.verification",
+    "torch_path": "engine.hub_functions",
+}
 
 __all__ = [
     "AlreadyPatched",
@@ -54,3 +80,23 @@ __all__ = [
     "torch_path",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name (or a submodule, e.g. ``engine.patcher``) on first access."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

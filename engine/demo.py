@@ -12,10 +12,10 @@ import time
 
 import torch
 
+from engine.api import apply
 from engine.devices import current_device
-from engine.patcher import apply
 from engine.tiny import build_tiny_model
-from engine.verify import compare
+from engine.verification import compare
 
 __all__ = ["DEMO_CONFIG", "run_demo"]
 

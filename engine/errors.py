@@ -92,7 +92,7 @@ class VerificationFailed(PatchError, AssertionError):
     """A patched module or model does not compute what the original computed.
 
     Attributes:
-        report: the :class:`engine.verify.VerifyReport` with every check (``None`` if not set).
+        report: the :class:`engine.verification.VerifyReport` with every check (``None`` if not set).
     """
 
     report = None

@@ -134,15 +134,13 @@ def apply(
     *,
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
-    verify: bool = False,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
 
     All checks run first (see :func:`engine.plan`); the model changes only if every one
     passes, and any failure while patching restores it. Applying the same patchset twice
-    patches once. With ``verify=True`` every patched module is then compared numerically
-    with its original forward (see :func:`engine.verify`), and a mismatch reverts the model
-    and raises :class:`VerificationFailed`.
+    patches once. Verification is not the patcher's job: :func:`engine.apply` (the facade,
+    :mod:`engine.api`) runs it after this when asked to.
 
     Example:
         >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
@@ -175,15 +173,6 @@ def apply(
     state = AppliedState(fingerprint, report, records)
     state.watch(model)
     object.__setattr__(model, STATE_ATTR, state)
-    if verify:
-        from engine.errors import VerificationFailed
-        from engine.verify import verify as run_verify
-
-        try:
-            report.verification = run_verify(model, raise_on_failure=True)
-        except VerificationFailed:
-            revert(model)
-            raise
     return report
 
 

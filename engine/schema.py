@@ -114,11 +114,15 @@ KernelSpec = Union[Literal["auto"], KernelName, dict[Device, KernelName]]
 
 
 def _check_kernel_names(value: Any) -> Any:
-    """Refuse kernel names no provider is registered under, listing the known ones."""
-    from engine.kernels.registry import kernel_names
+    """Refuse kernel names no provider is registered under, listing the known ones.
+
+    Checked against :mod:`engine.kernel_names` (a torch-free table), so validating a file
+    imports no kernel; whether the named kernel serves the op on the device is the planner's check.
+    """
+    from engine import kernel_names
 
     names = [value] if isinstance(value, str) else list(value.values()) if isinstance(value, dict) else []
-    known = kernel_names()
+    known = kernel_names.known()
     for name in names:
         if name != "auto" and name not in known:
             raise ValueError(f"unknown kernel {name!r}; known kernels: auto, {', '.join(sorted(known))}")

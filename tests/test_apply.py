@@ -12,7 +12,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 import engine
 from engine import routing
-from engine.verify import probe_batch
+from engine.verification import probe_batch
 
 
 def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

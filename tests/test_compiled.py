@@ -18,7 +18,7 @@ from engine.ops.rms_norm import rms_norm_reference
 from engine.ops.swiglu import silu_mul_reference
 from engine.planner import plan
 from engine.schema import RmsNormPatch, Scale, SwigluPatch
-from engine.verify import compare, probe_batch
+from engine.verification import compare, probe_batch
 
 pytestmark = pytest.mark.skipif(compiled.find_cxx() is None, reason="no C++ compiler for inductor")
 

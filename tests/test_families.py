@@ -15,7 +15,7 @@ from conftest import tiny_for
 
 import engine
 from engine.loader import bundled_names, load_patchset
-from engine.verify import compare, probe_batch
+from engine.verification import compare, probe_batch
 
 NAMES = bundled_names()
 

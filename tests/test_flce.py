@@ -21,7 +21,7 @@ from engine.errors import SignatureMismatch
 from engine.kernels.liger_flce import liger_arguments, liger_flce
 from engine.ops.base import get_op
 from engine.ops.fused_linear_cross_entropy import chunked_linear_cross_entropy, linear_cross_entropy_reference
-from engine.verify import compare, probe_batch
+from engine.verification import compare, probe_batch
 
 
 def _batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:

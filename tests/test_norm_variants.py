@@ -24,7 +24,7 @@ from engine.loader import load_patchset
 from engine.ops.base import get_op
 from engine.ops.rms_norm import effective_weight, rms_norm_reference
 from engine.schema import CastOrder, RmsNormPatch, Scale
-from engine.verify import probe_batch
+from engine.verification import probe_batch
 
 MINE = ["gemma", "gemma2", "gemma3_text", "olmo2", "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
         "kimi_linear"]

@@ -21,7 +21,7 @@ from engine.kernels.npu import npu_rms_norm_kernel
 from engine.loader import load_patchset
 from engine.ops.rms_norm import rms_norm_reference
 from engine.schema import CastOrder, Precision, Scale
-from engine.verify import probe_batch
+from engine.verification import probe_batch
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from engine import patcher, routing
 from engine.kernels import registry
 from engine.ops.rms_norm import RmsNormOp
 from engine.tiny import build_tiny_model
-from engine.verify import probe_batch
+from engine.verification import probe_batch
 
 QWEN3_5 = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 16, "linear_key_head_dim": 16,
            "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}

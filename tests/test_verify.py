@@ -8,7 +8,6 @@ that fits. The model is left exactly as it was (apply(verify=True) reverts).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 
 import pytest
@@ -21,7 +20,7 @@ import engine
 from engine import routing
 from engine.schema import Activation
 from engine.tiny import build_tiny_model
-from engine.verify import Check
+from engine.verification import Check
 
 
 def _rms(target: str, **settings: str) -> dict:
@@ -92,7 +91,8 @@ def test_silu_declared_on_a_sigmoid_gated_norm() -> None:
     pytest.importorskip(
         "engine.ops.gated_rms_norm", reason="the gated_rms_norm op (issue 3) is not in this branch yet"
     )
-    verify_module = importlib.import_module("engine.verify")  # the module, not engine.verify the function
+    from engine.verification.modules import verify_module
+    from engine.verification.probes import capture_inputs, probe_batch
 
     config = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 4,
               "layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_token": 2,
@@ -109,10 +109,10 @@ def test_silu_declared_on_a_sigmoid_gated_norm() -> None:
     decision = engine.plan(model, _patchset("kimi_linear", right), device="cpu").patched[0]
     silu = dataclasses.replace(decision, patch=decision.patch.model_copy(update={"activation": Activation.silu}))
     with engine.torch_path(model):  # unpatched: with fla installed, KDA is bound to fla, which needs a GPU
-        captured = verify_module._capture(model, [silu], verify_module.probe_batch(model))
+        captured = capture_inputs(model, [silu], probe_batch(model))
     args, kwargs = captured[silu.path]
     module = dict(model.named_modules())[silu.path]
-    checks = verify_module._verify_module(silu, module, args, kwargs, torch.bfloat16)
+    checks = verify_module(silu, module, args, kwargs, torch.bfloat16)
     failed = [c for c in checks if not c.passed]
     assert {c.dtype for c in failed} == {"fp32", "bf16"} and all(c.max_abs > 1e-3 for c in failed)
     note = failed[0].note

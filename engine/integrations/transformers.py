@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback
 
-from engine.patcher import apply, is_patched, revert
+from engine.api import apply, is_patched, revert
 from engine.report import Report
 from engine.schema import Patchset
 

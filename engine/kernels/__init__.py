@@ -1,9 +1,15 @@
-"""Kernel providers. The torch references register with their ops; vendor providers live here, one file each.
+"""Kernel providers: the torch reference of every op, and one file per vendor provider.
 
 Importing this package never imports a vendor package: each provider imports its package
 inside ``build``, so a missing or broken ``torch_npu`` / ``liger_kernel`` / ``fla`` only
 matters when a plan actually chooses that provider.
 """
 
-import engine.ops  # noqa: F401  (the torch reference of every op)
-from engine.kernels import compiled, fla, liger, liger_flce, npu  # noqa: F401  (import registers)
+from engine.kernels import (  # noqa: F401  (import registers)
+    compiled,
+    fla,
+    liger,
+    liger_flce,
+    npu,
+    torch_reference,  # noqa: F401  (registers `torch` for every op, first)
+)

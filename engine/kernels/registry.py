@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine import kernel_names as _names
 from engine.errors import KernelNotFound, MissingDependency
 from engine.schema import Device
 
@@ -110,15 +111,19 @@ def register(provider: KernelProvider) -> KernelProvider:
     if key in _PROVIDERS:
         raise ValueError(f"kernel {provider.name!r} for op {provider.op!r} is already registered")
     _PROVIDERS[key] = provider
+    _names.add(provider.name)
     return provider
 
 
 def unregister(name: str, op: str) -> KernelProvider:
     """Remove a provider (plugins and tests that register their own); KernelNotFound if absent."""
     try:
-        return _PROVIDERS.pop((name, op))
+        provider = _PROVIDERS.pop((name, op))
     except KeyError:
         raise KernelNotFound(f"no kernel {name!r} for op {op!r} is registered") from None
+    if not any(n == name for n, _ in _PROVIDERS):
+        _names.discard(name)
+    return provider
 
 
 def all_providers() -> list[KernelProvider]:

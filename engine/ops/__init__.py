@@ -1,4 +1,4 @@
-"""The ops: one module per op, each with its torch reference registered as the ``torch`` kernel."""
+"""The ops: one module per op; each defines its semantics and its torch reference (``Op.reference``)."""
 
 from engine.ops import (  # noqa: F401  (import registers)
     fused_linear_cross_entropy,

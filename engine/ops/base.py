@@ -1,18 +1,23 @@
 """What an op is: its semantics (a torch reference), the target it requires, and how to bind it.
 
-An op knows nothing about devices or vendor kernels. It defines:
+An op knows nothing about devices or vendor kernels (``engine.ops`` imports nothing from
+``engine.kernels``). It defines:
 
 * the *kernel signature*: the function every provider of the op returns from
   ``build(patch)`` (e.g. ``rms_norm(x, weight, eps) -> y``);
 * the *target contract*: which forward signatures it can replace, checked before anything
   is patched;
 * how to turn a kernel function into a replacement forward for one module instance;
+* its *reference*: ``reference(patch)``, the torch kernel function with the patch's settings,
+  the ground truth every other provider is compared with (``engine/kernels/torch_reference.py``
+  registers it as the ``torch`` provider of every op);
 * which other settings a user could have meant, so verification can say which one fits.
 """
 
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Literal
 
@@ -24,12 +29,22 @@ from engine.errors import SignatureMismatch
 __all__ = ["FunctionOp", "ModuleOp", "Op", "all_ops", "forward_parameters", "get_op", "register_op"]
 
 
-class Op:
+class Op(ABC):
     """Base of all ops. Subclasses are singletons registered with :func:`register_op`."""
 
     name: ClassVar[str]
     kind: ClassVar[Literal["module", "function"]]
     patch_type: ClassVar[type]
+    #: How ``patch-engine kernels`` describes the op's ``torch`` provider.
+    reference_description: ClassVar[str] = "torch reference (the ground truth), every device"
+
+    @abstractmethod
+    def reference(self, patch: Any) -> Callable[..., Any]:
+        """The op's torch kernel function for ``patch``'s settings: the ground truth.
+
+        It has the op's kernel signature (what every provider's ``build(patch)`` returns),
+        runs on every device, has a backward and traces under ``torch.compile``.
+        """
 
     def alternatives(self, patch: Any) -> Iterator[tuple[str, Any]]:
         """Other declarations of this patch that a user might have meant: ``(label, patch)``."""

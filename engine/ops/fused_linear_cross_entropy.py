@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import SignatureMismatch
-from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
 from engine.schema import FusedLinearCrossEntropyPatch
 
@@ -144,16 +143,6 @@ def chunked_linear_cross_entropy(
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, ignore_index, denominator, chunk)
 
 
-register(
-    KernelProvider(
-        name="torch",
-        op="fused_linear_cross_entropy",
-        devices=ALL_DEVICES,
-        build=lambda patch: chunked_linear_cross_entropy,
-        description="torch, chunked over tokens with per-chunk gradients, every device",
-    )
-)
-
 _SOFTCAP_KEYS = ("final_logit_softcapping", "logit_softcapping", "output_logits_soft_cap")
 
 
@@ -163,6 +152,11 @@ class FusedLinearCrossEntropyOp(ModuleOp):
 
     name = "fused_linear_cross_entropy"
     patch_type = FusedLinearCrossEntropyPatch
+
+    reference_description = "torch, chunked over tokens with per-chunk gradients, every device"
+
+    def reference(self, patch: FusedLinearCrossEntropyPatch) -> Callable[..., Any]:
+        return chunked_linear_cross_entropy
 
     def check_target(self, module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> None:
         cls = type(module).__name__

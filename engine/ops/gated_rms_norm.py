@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from engine.errors import SignatureMismatch
-from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import (
     ModuleOp,
     describe_signature,
@@ -120,17 +119,6 @@ def _build_torch(patch: GatedRmsNormPatch) -> Callable[..., torch.Tensor]:
     )
 
 
-register(
-    KernelProvider(
-        name="torch",
-        op="gated_rms_norm",
-        devices=ALL_DEVICES,
-        build=_build_torch,
-        description="torch reference (the ground truth), every device",
-    )
-)
-
-
 def _group_size(module: nn.Module, patch: GatedRmsNormPatch, width: int) -> int | None:
     """The group size the patch declares for this module, checked to divide the weight's width."""
     cls = type(module).__name__
@@ -163,6 +151,9 @@ class GatedRmsNormOp(ModuleOp):
 
     name = "gated_rms_norm"
     patch_type = GatedRmsNormPatch
+
+    def reference(self, patch: GatedRmsNormPatch) -> Callable[..., Any]:
+        return _build_torch(patch)
 
     def check_target(self, module: nn.Module, patch: GatedRmsNormPatch) -> None:
         cls = type(module)

@@ -28,7 +28,6 @@ from typing import Any
 
 from engine.errors import SignatureMismatch
 from engine.hub_functions import torch_body
-from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import FunctionOp, register_op
 from engine.schema import DeltaRule, DeltaRuleForm, LinearAttentionPatch
 
@@ -70,24 +69,17 @@ def _build_torch(patch: LinearAttentionPatch) -> Callable[..., Any]:
     return gated_delta_rule
 
 
-register(
-    KernelProvider(
-        name="torch",
-        op="linear_attention",
-        devices=ALL_DEVICES,
-        build=_build_torch,
-        compile_safe=True,
-        description="transformers' torch gated delta rule (the ground truth), every device",
-    )
-)
-
-
 @register_op
 class LinearAttentionOp(FunctionOp):
     """Replace a gated-delta-rule function of a modeling module (one patch per form)."""
 
     name = "linear_attention"
     patch_type = LinearAttentionPatch
+
+    reference_description = "transformers' torch gated delta rule (the ground truth), every device"
+
+    def reference(self, patch: LinearAttentionPatch) -> Callable[..., Any]:
+        return _build_torch(patch)
 
     def check_function(self, function: Callable[..., Any], patch: LinearAttentionPatch) -> None:
         params = list(inspect.signature(torch_body(function)).parameters)

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import ModuleOp, register_op, require_norm_attributes, require_single_input
 from engine.schema import CastOrder, Precision, RmsNormPatch, Scale
 
@@ -56,23 +55,15 @@ def _build_torch(patch: RmsNormPatch) -> Callable[..., torch.Tensor]:
     return partial(rms_norm_reference, scale=patch.scale, cast=patch.cast, precision=patch.precision)
 
 
-register(
-    KernelProvider(
-        name="torch",
-        op="rms_norm",
-        devices=ALL_DEVICES,
-        build=_build_torch,
-        description="torch reference (the ground truth), every device",
-    )
-)
-
-
 @register_op
 class RmsNormOp(ModuleOp):
     """Replace an RMSNorm module's forward with ``kernel(x, weight, eps)``."""
 
     name = "rms_norm"
     patch_type = RmsNormPatch
+
+    def reference(self, patch: RmsNormPatch) -> Callable[..., Any]:
+        return _build_torch(patch)
 
     def check_target(self, module: nn.Module, patch: RmsNormPatch) -> None:
         require_single_input(module, self.name, forbid=("gate",))

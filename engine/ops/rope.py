@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from engine.errors import SignatureMismatch
-from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import FunctionOp, register_op
 from engine.schema import RopePatch
 
@@ -45,16 +45,6 @@ def rope_reference(
     return _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
 
 
-register(
-    KernelProvider(
-        name="torch",
-        op="rope",
-        devices=ALL_DEVICES,
-        build=lambda patch: rope_reference,
-        description="torch reference (the ground truth), every device",
-    )
-)
-
 _EXPECTED = ("q", "k", "cos", "sin")
 
 
@@ -64,6 +54,9 @@ class RopeOp(FunctionOp):
 
     name = "rope"
     patch_type = RopePatch
+
+    def reference(self, patch: RopePatch) -> Callable[..., Any]:
+        return rope_reference
 
     def check_function(self, function: Callable[..., object], patch: RopePatch) -> None:
         params = list(inspect.signature(inspect.unwrap(function)).parameters)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import SignatureMismatch
-from engine.kernels.registry import ALL_DEVICES, KernelProvider, register
 from engine.ops.base import ModuleOp, register_op, require_single_input
 from engine.schema import SwigluPatch
 
@@ -27,23 +26,15 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-register(
-    KernelProvider(
-        name="torch",
-        op="swiglu",
-        devices=ALL_DEVICES,
-        build=lambda patch: silu_mul_reference,
-        description="torch reference (the ground truth), every device",
-    )
-)
-
-
 @register_op
 class SwigluOp(ModuleOp):
     """Replace a gated MLP's forward with ``down(kernel(gate(x), up(x)))``."""
 
     name = "swiglu"
     patch_type = SwigluPatch
+
+    def reference(self, patch: SwigluPatch) -> Callable[..., Any]:
+        return silu_mul_reference
 
     def check_target(self, module: nn.Module, patch: SwigluPatch) -> None:
         require_single_input(module, self.name)

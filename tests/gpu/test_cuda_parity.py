@@ -21,7 +21,7 @@ from engine.ops.rms_norm import rms_norm_reference
 from engine.ops.rope import rope_reference
 from engine.ops.swiglu import silu_mul_reference
 from engine.schema import CastOrder, LinearAttentionPatch, Precision, RmsNormPatch, Scale
-from engine.verify import probe_batch
+from engine.verification import probe_batch
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

@@ -1,0 +1,60 @@
+"""The public facade: ``engine.apply``, ``plan``, ``verify``, ``revert``, ``is_patched``.
+
+It orchestrates the layers beneath it (plan -> patch -> verify) so that none of them has to
+know about the others: the planner decides, the patcher changes the model as a plan says,
+verification compares numbers. Only this module combines patching with verification.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine import verification
+from engine.errors import VerificationFailed
+from engine.patcher import apply as _patch
+from engine.patcher import is_patched, revert
+from engine.planner import Mode, plan
+from engine.report import Report
+from engine.schema import Device, Patchset
+
+__all__ = ["apply", "is_patched", "plan", "revert", "verify"]
+
+verify = verification.verify
+
+
+def apply(
+    model: nn.Module,
+    patchset: Patchset | str | dict[str, Any],
+    *,
+    device: str | Device | torch.device | None = None,
+    mode: Mode | None = None,
+    verify: bool = False,
+) -> Report:
+    """Patch ``model`` in place with ``patchset``; return what was done.
+
+    All checks run first (see :func:`engine.plan`); the model changes only if every one
+    passes, and any failure while patching restores it. Applying the same patchset twice
+    patches once. With ``verify=True`` every patched module is then compared numerically
+    with its original forward (see :func:`engine.verify`), and a mismatch reverts the model
+    and raises :class:`VerificationFailed` (``exc.report`` has every check).
+
+    Example:
+        >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
+        >>> engine.revert(model)                      # doctest: +SKIP
+
+    A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
+    there), so wrapping before or after patching gives the same model.
+    """
+    already = is_patched(model)
+    report = _patch(model, patchset, device=device, mode=mode)
+    if verify and not already:  # a repeated apply of the same patchset changed nothing to verify
+        try:
+            report.verification = verification.verify(model, raise_on_failure=True)
+        except VerificationFailed:
+            revert(model)
+            raise
+    return report
+

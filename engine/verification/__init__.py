@@ -1,0 +1,39 @@
+"""Numerical verification: does the patched model compute what the original computed?
+
+Two questions are asked of every patched module, on inputs captured from a real forward
+of the model (so shapes, gates and dtypes are the ones the model really uses), run on a
+deep copy of the module with its *own* weights:
+
+1. **Is the declaration right?** The op's torch reference with the declared settings is
+   compared with the module's original forward, in fp32 and in bf16 (where cast orders
+   differ). Every alternative declaration the op knows (``scale``, ``cast``, activation,
+   ...) is tried too; if the declared one misses while an alternative matches, the error
+   says which one fits. This is what catches ``one_plus_weight`` declared on a ``weight``
+   norm, whatever the weights' values.
+2. **Does the kernel agree?** The patched forward (the chosen kernel) is compared with the
+   original within a tolerance per dtype.
+
+Then the whole model: logits, loss and every parameter gradient, patched vs unpatched.
+
+One module per job: :mod:`.compare` (tolerances, errors), :mod:`.probes` (inputs),
+:mod:`.modules` (per-module and per-function checks), :mod:`.models` (whole-model checks),
+:mod:`.results` (the report), :mod:`.runner` (``verify``, which runs them all).
+"""
+
+from engine.verification.compare import TOLERANCES, compare
+from engine.verification.models import LOW_PRECISION_FACTOR, compare_models
+from engine.verification.probes import probe_batch
+from engine.verification.results import MODEL, Check, VerifyReport
+from engine.verification.runner import verify
+
+__all__ = [
+    "LOW_PRECISION_FACTOR",
+    "MODEL",
+    "TOLERANCES",
+    "Check",
+    "VerifyReport",
+    "compare",
+    "compare_models",
+    "probe_batch",
+    "verify",
+]

@@ -1,0 +1,102 @@
+"""Checks of one patched module or function against its original.
+
+A module is asked two questions: is the declaration right (the op's torch reference with the
+declared settings, and with every alternative the op knows, vs the original forward, bit-exact),
+and does the chosen kernel agree (within :data:`TOLERANCES`). A function: does the kernel agree
+with the function's torch body.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine import routing
+from engine.hub_functions import torch_body
+from engine.ops.base import ModuleOp, get_op
+from engine.verification.compare import DTYPE_NAMES, cast_floats, compare, is_exact
+from engine.verification.results import Check
+
+#: Patch keys that say what to patch and how to run it, not what the target computes.
+_NOT_SETTINGS = {"kernel", "optional", "target", "function", "op", "signature"}
+
+
+def _settings(patch: Any, keys: Sequence[str] | None = None) -> str:
+    data = patch.model_dump(mode="json", exclude=_NOT_SETTINGS)
+    keys = [k for k in (keys or data) if k in data]
+    return ", ".join(f"{k}: {data[k]}" for k in keys) or "defaults"
+
+
+def _varied_keys(patch: Any, alternatives: Sequence[Any]) -> list[str]:
+    """The settings the alternatives vary (those worth showing next to the declared ones)."""
+    mine = patch.model_dump(mode="json", exclude=_NOT_SETTINGS)
+    dumps = [alt.model_dump(mode="json", exclude=_NOT_SETTINGS) for alt in alternatives]
+    return [k for k in mine if any(d.get(k) != mine[k] for d in dumps)] or list(mine)
+
+
+def verify_module(d: Any, module: nn.Module, args: Any, kwargs: Any, low: torch.dtype) -> list[Check]:
+    """Declaration (bit-exact, against every alternative) and kernel (within tolerance) checks."""
+    op = get_op(d.op)
+    assert isinstance(op, ModuleOp)
+    alternatives = list(op.alternatives(d.patch))
+    alt_exact = {label: True for label, _ in alternatives}
+    decl_results: list[tuple[torch.dtype, tuple[float, float, bool]]] = []
+    kernel_checks: list[Check] = []
+    declared_out: dict[torch.dtype, Any] = {}
+    originals: dict[torch.dtype, Any] = {}
+    for dtype in (torch.float32, low):
+        clone = copy.deepcopy(module).to(dtype)
+        a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
+        with torch.no_grad():
+            expected = type(clone).forward(clone, *a, **k)
+            declared = op.bind(clone, d.patch, op.reference(d.patch))(clone, *a, **k)
+            decl_results.append((dtype, compare(declared, expected)))
+            declared_out[dtype], originals[dtype] = declared, expected
+            for label, alt in alternatives:
+                got = op.bind(clone, alt, op.reference(alt))(clone, *a, **k)
+                alt_exact[label] = alt_exact[label] and is_exact(compare(got, expected))
+            if d.kernel != "torch":  # the torch kernel *is* the declaration, checked above
+                ma, mr, ok = compare(clone.forward(*a, **k), expected)
+                kernel_checks.append(Check(d.path, d.cls, d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, "", d.kernel))
+    declared_exact = all(is_exact(r) for _, r in decl_results)
+    fits = [label for label, exact in alt_exact.items() if exact]
+    declared_text = _settings(d.patch, _varied_keys(d.patch, [alt for _, alt in alternatives]))
+    checks = []
+    for dtype, (ma, mr, ok) in decl_results:
+        note, passed = "", ok
+        if not declared_exact and fits:
+            passed = False
+            note = f"declared {declared_text} does not reproduce {d.cls}.forward; {' or '.join(fits)} fits"
+        elif not ok:
+            tried = ", nor does any alternative" if alternatives else ""
+            kind = "" if _dtype_of(declared_out[dtype]) == _dtype_of(originals[dtype]) else (
+                f" (returns {_dtype_of(declared_out[dtype])} where the original returns {_dtype_of(originals[dtype])})")
+            note = f"declared {declared_text} does not reproduce {d.cls}.forward{kind}{tried}; is this the right op?"
+        checks.append(Check(d.path, d.cls, d.op, "declaration", DTYPE_NAMES[dtype], ma, mr, passed, note, d.kernel))
+    return checks + kernel_checks
+
+
+def _dtype_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return DTYPE_NAMES.get(value.dtype, str(value.dtype))
+    return type(value).__name__
+
+
+def verify_function(d: Any, args: Any, kwargs: Any, low: torch.dtype) -> list[Check]:
+    router = routing.router_for(d.site.namespace, d.site.function)
+    assert router is not None
+    impl = d.provider.build(d.patch)
+    checks = []
+    for dtype in (torch.float32, low):
+        a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
+        with torch.no_grad():
+            # The original's torch body: transformers may have bound the name to a package
+            # (fla) that does not run on this device; its torch function is the ground truth.
+            ma, mr, ok = compare(impl(*a, **k), torch_body(router.original)(*a, **k))
+        note = "" if ok else f"kernel {d.kernel} does not compute what {d.site.function} computes"
+        checks.append(Check(d.path, "function", d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
+    return checks

@@ -1,0 +1,161 @@
+"""The results of a verification: one :class:`Check` per comparison, gathered in a :class:`VerifyReport`.
+
+Pure formatting of numbers already measured: a per-module table for people, a dict for
+machines, and the one-line-per-failure message of :class:`engine.errors.VerificationFailed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.report import format_table
+from engine.verification.compare import DTYPE_NAMES, TOLERANCES
+
+#: The ``path`` of whole-model checks.
+MODEL = "<model>"
+
+
+@dataclass
+class Check:
+    """One comparison: a module (or function, or the whole model) in one dtype.
+
+    ``what`` is ``declaration`` (the op's reference with the declared settings vs the
+    original forward: must be bit-exact, or no alternative may fit better), ``kernel`` (the
+    chosen kernel vs the original, within :data:`TOLERANCES`), ``called`` (the target ran
+    at all), or, for ``<model>``, ``logits``, ``loss`` and ``grads``.
+    """
+
+    path: str
+    cls: str
+    op: str
+    what: str
+    dtype: str
+    max_abs: float
+    max_rel: float
+    passed: bool
+    note: str = ""
+    kernel: str = "-"
+
+
+def _num(x: float) -> str:
+    if x == 0:
+        return "0"
+    if x == float("inf"):
+        return "inf"
+    return f"{x:.1e}"
+
+
+def _short(path: str) -> str:
+    """A function patch's path without the ``transformers.models.`` every one of them starts with."""
+    return path.removeprefix("transformers.models.")
+
+
+@dataclass
+class VerifyReport:
+    """Every check of one verification, with a per-module table for people and a dict for machines."""
+
+    checks: list[Check] = field(default_factory=list)
+    model_dtype: str = "fp32"
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per patched module or function (worst error per dtype), then one per model check."""
+        rows: dict[str, dict[str, Any]] = {}
+        for c in self.checks:
+            key = c.path if c.path != MODEL else f"{MODEL} {c.what.split(' ')[0]}"
+            row = rows.setdefault(key, {"module": key, "class": c.cls, "op": c.op, "kernel": c.kernel,
+                                        "errors": {}, "passed": True, "notes": []})
+            if c.kernel != "-":
+                row["kernel"] = c.kernel
+            if c.dtype in self.dtypes or c.dtype == self.model_dtype:
+                worst = row["errors"].get(c.dtype, (0.0, 0.0))
+                row["errors"][c.dtype] = (max(worst[0], c.max_abs), max(worst[1], c.max_rel))
+            row["passed"] = row["passed"] and c.passed
+            if c.note and c.note not in row["notes"] and (not c.passed or c.path == MODEL):
+                row["notes"].append(c.note)
+        return list(rows.values())
+
+    def table(self, *, detail: bool = False) -> str:
+        """An aligned table: one row per module (``detail``: one row per check)."""
+        if detail:
+            return format_table(
+                ("module", "class", "op", "kernel", "check", "dtype", "max abs", "max rel", "result", "note"),
+                ((c.path, c.cls, c.op, c.kernel, c.what, c.dtype, _num(c.max_abs), _num(c.max_rel),
+                  "ok" if c.passed else "FAIL", c.note) for c in self.checks),
+            )
+        dtypes = list(dict.fromkeys((*self.dtypes, self.model_dtype)))
+        body = []
+        for row in self.rows():
+            errs = [row["errors"].get(dt) for dt in dtypes]
+            cells = [f"{_num(e[0])} / {_num(e[1])}" if e else "-" for e in errs]
+            body.append((_short(row["module"]), row["class"], row["op"], row["kernel"], *cells,
+                         "ok" if row["passed"] else "FAIL", "; ".join(row["notes"])))
+        return format_table(
+            ("module", "class", "op", "kernel", *(f"{dt} abs / rel" for dt in dtypes), "result", "note"), body
+        )
+
+    def legend(self) -> str:
+        tol = ", ".join(
+            f"{name} {TOLERANCES[dt][0]:g}+{TOLERANCES[dt][1]:g}*max|ref|"
+            for dt, name in DTYPE_NAMES.items() if name in (*self.dtypes, self.model_dtype)
+        )
+        return (
+            "checks: declaration = the op's reference with the declared settings vs the original forward,\n"
+            "        bit-exact in every dtype; kernel = the chosen kernel vs the original, within " + tol + ";\n"
+            f"        {MODEL} = logits, loss and every parameter gradient vs the unpatched model ({self.model_dtype})"
+            + ("; where not equal, at most 2x as far from the fp32 model as the original"
+               if self.model_dtype in ("bf16", "fp16") else "")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "model_dtype": self.model_dtype,
+            "dtypes": list(self.dtypes),
+            "tolerances": {DTYPE_NAMES[dt]: {"atol": a, "rtol": r} for dt, (a, r) in TOLERANCES.items()},
+            "modules": [
+                {**{k: v for k, v in row.items() if k != "errors"},
+                 "errors": {dt: {"max_abs": e[0], "max_rel": e[1]} for dt, e in row["errors"].items()}}
+                for row in self.rows()
+            ],
+            "checks": [vars(c) for c in self.checks],
+        }
+
+    def __str__(self) -> str:
+        modules = sum(1 for r in self.rows() if not r["module"].startswith(MODEL))
+        verdict = "passed" if self.passed else f"FAILED ({len(self.failures)} of {len(self.checks)} checks)"
+        head = (f"verification {verdict}: {modules} patched modules and functions, {len(self.checks)} checks, "
+                f"model dtype {self.model_dtype}, modules checked in {' and '.join(self.dtypes)}")
+        return f"{head}\n{self.table()}\n{self.legend()}"
+
+
+def failure_message(report: VerifyReport) -> str:
+    """One line per failing (class, check, note), naming the modules, dtypes and errors."""
+    groups: dict[tuple[str, str, str, str], list[Check]] = {}
+    for c in report.failures:
+        groups.setdefault((c.cls, c.op, c.what, c.note), []).append(c)
+    lines = ["patched model does not compute what the original computed:"]
+    for (cls, op, what, note), checks in groups.items():
+        paths = list(dict.fromkeys(c.path for c in checks))
+        shown = ", ".join(paths[:4])
+        where = shown if len(paths) <= 4 else f"{shown} and {len(paths) - 4} more"
+        errs = {}
+        for c in checks:
+            if c.dtype != "-":
+                errs[c.dtype] = max(errs.get(c.dtype, 0.0), c.max_abs)
+        err_text = ", ".join(f"{dt} {_num(e)}" for dt, e in errs.items())
+        label = what if cls == "function" or paths[0] == MODEL else f"{what} of {op}"
+        line = f"  {where} ({cls}): {label} failed"
+        if err_text:
+            line += f" (max abs err {err_text})"
+        lines.append(line + (f": {note}" if note else ""))
+    return "\n".join(lines)
