@@ -98,8 +98,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from engine.loader import load_patchset
     from engine.api import apply, revert, verify
+    from engine.loader import load_patchset
 
     ps = load_patchset(args.patchset)
     model = _tiny_model_for(ps, args.model_type, args.dtype)
