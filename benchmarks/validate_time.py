@@ -1,6 +1,7 @@
 """Wall time of ``python -m engine validate patchsets/*.yaml``, each run in a fresh interpreter.
 
-Usage: ``python benchmarks/validate_time.py [--runs 5]``
+Usage: ``python benchmarks/validate_time.py [--runs 5] [--root CHECKOUT]`` (default: this checkout;
+``--root`` measures another one, e.g. the tree before a change, with the same command).
 
 Why a fresh subprocess each time: what a pre-commit hook or a CI schema job pays is the
 interpreter start plus every import the command triggers (torch alone is seconds), not the
@@ -39,23 +40,25 @@ _PROBE = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to measure")
     args = parser.parse_args(argv)
-    files = sorted(str(p) for p in (ROOT / "patchsets").glob("*.yaml"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    root = args.root.resolve()
+    files = sorted(str(p) for p in (root / "patchsets").glob("*.yaml"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "engine", "validate", "--quiet", *files]
     times = []
     for run in range(args.runs):
         start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
         times.append(time.perf_counter() - start)
         if done.returncode != 0:
             print(done.stdout, done.stderr, sep="\n", file=sys.stderr)
             return done.returncode
         print(f"run {run + 1}: {times[-1]:.2f} s")
-    probe = subprocess.run([sys.executable, "-c", _PROBE, *files], cwd=ROOT, env=env, capture_output=True, text=True)
+    probe = subprocess.run([sys.executable, "-c", _PROBE, *files], cwd=root, env=env, capture_output=True, text=True)
     print(probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "heavy imported: ?")
     print(
-        f"validate {len(files)} bundled patchsets: median {statistics.median(times):.2f} s "
+        f"{root}: validate {len(files)} bundled patchsets: median {statistics.median(times):.2f} s "
         f"over {args.runs} fresh interpreters ({os.cpu_count()} CPUs, Python {sys.version.split()[0]})"
     )
     return 0

@@ -5,11 +5,7 @@ inside ``build``, so a missing or broken ``torch_npu`` / ``liger_kernel`` / ``fl
 matters when a plan actually chooses that provider.
 """
 
-from engine.kernels import (  # noqa: F401  (import registers)
-    compiled,
-    fla,
-    liger,
-    liger_flce,
-    npu,
-    torch_reference,  # noqa: F401  (registers `torch` for every op, first)
-)
+from engine.kernels import torch_reference  # noqa: F401  (first: registers `torch` for every op)
+
+# isort: split
+from engine.kernels import compiled, fla, liger, liger_flce, npu  # noqa: F401  (import registers)
