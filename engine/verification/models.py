@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.hub_functions import torch_path
+from engine.patcher import revert
 from engine.verification.compare import DTYPE_NAMES, compare
 from engine.verification.results import MODEL, Check
 
@@ -21,8 +22,6 @@ def compare_models(
     patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None = None
 ) -> list[Check]:
     """Logits, loss and parameter gradients of ``patched`` vs ``reference`` (default: its unpatched deep copy)."""
-    from engine.patcher import revert
-
     if reference is None:
         reference = copy.deepcopy(patched)
         revert(reference)

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from engine.errors import VerificationFailed
+from engine.patcher import STATE_ATTR, apply, revert
 from engine.verification.compare import DTYPE_NAMES
 from engine.verification.models import compare_models
 from engine.verification.modules import verify_function, verify_module
 from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch
 from engine.verification.results import Check, VerifyReport, failure_message
+from engine.wrappers import unwrap
 
 
 def verify(
@@ -36,9 +38,6 @@ def verify(
             message names each failing module path and class, the declared settings, and
             the alternative settings that would have matched. ``exc.report`` has every check.
     """
-    from engine.patcher import STATE_ATTR, apply, revert
-    from engine.wrappers import unwrap
-
     model = unwrap(model)
     if patchset is not None and STATE_ATTR not in model.__dict__:
         twin = copy.deepcopy(model)
