@@ -326,6 +326,13 @@ class Patchset(StrictModel):
     #: Where each patch is written, set by the loader: ``{(index,) or (index, key): (file, line)}``.
     #: Private (not data): planner errors use it to point at the offending patch.
     _origins: dict[tuple[Any, ...], tuple[str | None, int | None]] = PrivateAttr(default_factory=dict)
+    #: The files read, as absolute paths: this patchset's own first, then each base ``extends`` pulled in.
+    _files: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files this patchset was loaded from (its own first, then its ``extends`` bases); () for a dict."""
+        return self._files
 
     @model_validator(mode="after")
     def _unique_targets(self) -> Patchset:

@@ -12,16 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.resolver import Resolver
 
 from engine.errors import PatchsetError
-from engine.loader.messages import Origin, Path_, combine, describe, key_text
+from engine.loader.messages import Origin, Path_, combine, describe, key_text, kind_of
 
 #: Deepest nesting of mappings and lists a patchset may have.
 MAX_DEPTH = 50
 
 
 #: Most YAML nodes a patchset may have, counting every expansion of an alias (refuses alias bombs).
-MAX_NODES = 100_000
+#: A patch is about ten nodes, so this admits patchsets of tens of thousands of patches while an
+#: alias bomb (billions of nodes from a few lines) is refused after a second of work.
+MAX_NODES = 1_000_000
 
 
 #: Largest patchset file, in bytes.
@@ -35,6 +40,9 @@ _SCALAR_TAGS = {_TAG + t for t in ("null", "bool", "int", "float", "str", "times
 
 
 _AS_STRING_TAGS = {_TAG + "value", _TAG + "merge"}  # `=` and `<<` written as values: plain text
+
+
+_STR_TAG = _TAG + "str"
 
 
 _SEQ_TAG = _TAG + "seq"
@@ -54,11 +62,30 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-class _Loader(yaml.SafeLoader):
-    """A safe loader that refuses deep nesting and huge documents while it composes."""
+try:  # libyaml's event parser: the scanning, which is most of the time, runs in C
+    from yaml.cyaml import CParser as _EventParser
+except ImportError:  # PyYAML built without libyaml: the same events, in Python
+    from yaml.parser import Parser as _PyParser
+    from yaml.reader import Reader
+    from yaml.scanner import Scanner
+
+    class _EventParser(Reader, Scanner, _PyParser):  # type: ignore[no-redef]
+        def __init__(self, text: str):
+            Reader.__init__(self, text)
+            Scanner.__init__(self)
+            _PyParser.__init__(self)
+
+
+class _Loader(Composer, _EventParser, SafeConstructor, Resolver):
+    """Composes nodes from parser events (in C when libyaml is there), refusing deep nesting and
+    huge documents while it composes; the composing itself is PyYAML's Python composer, so the
+    nodes, tags and line marks are the same with and without libyaml."""
 
     def __init__(self, text: str, file: str | None):
-        super().__init__(text)
+        _EventParser.__init__(self, text)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
         self._file = file
         self._depth = 0
         self._nodes = 0
@@ -126,7 +153,7 @@ class _Builder:
         )
 
     def scalar(self, node: yaml.ScalarNode, path: Path_) -> Any:
-        if node.tag in _AS_STRING_TAGS:
+        if node.tag == _STR_TAG or node.tag in _AS_STRING_TAGS:  # most scalars: no constructor needed
             return node.value
         if node.tag not in _SCALAR_TAGS:
             return self.bad_tag(node, path)
@@ -231,6 +258,9 @@ def parse_yaml(text: str, file: str | None) -> tuple[dict, dict[Path_, Origin]]:
             node = loader.get_single_node()
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
+            if "maximum nesting depth" in str(exc.problem):  # libyaml's own bound (1000), below ours in effect
+                line = mark.line + 1 if mark else None
+                raise PatchsetError(f"nested more than {MAX_DEPTH} levels deep", file=file, line=line) from None
             parts = [p for p in (exc.context, exc.problem) if p]
             problem = "YAML syntax error: " + (", ".join(parts) if parts else "invalid YAML")
             raise PatchsetError(problem, file=file, line=mark.line + 1 if mark else None) from None
@@ -260,8 +290,11 @@ def parse_yaml(text: str, file: str | None) -> tuple[dict, dict[Path_, Origin]]:
     if builder.errors:
         raise combine(builder.errors, [file])
     if not isinstance(data, dict):
+        # Only the kind of value, never the value: a file that is not a patchset (a config, a
+        # password file behind a symlink) must not have its first line echoed into logs.
         raise PatchsetError(
-            f"the top level must be a mapping (name: ..., model_types: [...], patches: [...]), not {describe(data)}",
+            "the top level must be a mapping (name: ..., model_types: [...], patches: [...]), "
+            f"not {kind_of(data)}",
             file=file,
             line=_line(node),
         )
