@@ -25,9 +25,10 @@ from engine.loader.extends import MAX_EXTENDS
 from engine.loader.load import load_patchset, patch_location
 from engine.loader.names import bundled_dir, bundled_names, resolve
 from engine.loader.schema_export import SCHEMA_FILE, json_schema, json_schema_text, write_json_schema
-from engine.loader.yaml_lines import MAX_BYTES, MAX_DEPTH, MAX_NODES
+from engine.loader.yaml_lines import MAX_ALIAS_NODES, MAX_BYTES, MAX_DEPTH, MAX_NODES
 
 __all__ = [
+    "MAX_ALIAS_NODES",
     "MAX_BYTES",
     "MAX_DEPTH",
     "MAX_EXTENDS",

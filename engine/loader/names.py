@@ -59,6 +59,8 @@ def _bundled_file(stem: str) -> Path | None:
 
 def _candidates(path: Path) -> list[Path]:
     """``path`` itself when it ends in .yaml/.yml, else ``path.yaml`` then ``path.yml``."""
+    if not path.name:  # "/" or a drive root: no file name to complete
+        return []
     if _has_yaml_suffix(path.name):
         return [path]
     return [path.with_name(path.name + ext) for ext in _YAML_EXT]
@@ -77,12 +79,14 @@ def _checked(path: Path, text: str) -> Path:
 
 
 def _not_a_patchset(text: str, path: Path) -> PatchsetError:
-    kind = "a folder" if path.is_dir() else "not a .yaml/.yml file"
-    return PatchsetError(
-        f"{text!r} is {kind}, so it is not read as a patchset; give a bundled name or a .yaml/.yml "
-        f"file (rename the file to .yaml if it is a patchset). {_bundled_hint()}",
-        file=str(path.absolute()),
-    )
+    if path.is_dir():
+        problem = f"{text!r} is a folder, so it is not read as a patchset; give a bundled name or a .yaml/.yml file"
+    else:
+        problem = (
+            f"{text!r} is not a .yaml/.yml file, so it is not read as a patchset; give a bundled name "
+            "or a .yaml/.yml file (rename the file to .yaml if it is a patchset)"
+        )
+    return PatchsetError(f"{problem}. {_bundled_hint()}", file=str(path.absolute()))
 
 
 def resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathLike | None = None) -> Path:

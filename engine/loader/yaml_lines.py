@@ -23,10 +23,13 @@ from engine.loader.messages import Origin, Path_, combine, describe, key_text, k
 MAX_DEPTH = 50
 
 
-#: Most YAML nodes a patchset may have, counting every expansion of an alias (refuses alias bombs).
-#: A patch is about ten nodes, so this admits patchsets of tens of thousands of patches while an
-#: alias bomb (billions of nodes from a few lines) is refused after a second of work.
+#: Most YAML nodes a patchset file may hold (a patch is about ten; a 4 MB file holds fewer).
 MAX_NODES = 1_000_000
+
+
+#: Most nodes aliases may add once expanded, beyond the file's own: refuses alias bombs (billions
+#: of nodes from a few lines) after a fraction of a second, whatever the size of the file.
+MAX_ALIAS_NODES = 100_000
 
 
 #: Largest patchset file, in bytes.
@@ -88,13 +91,13 @@ class _Loader(Composer, _EventParser, SafeConstructor, Resolver):
         Resolver.__init__(self)
         self._file = file
         self._depth = 0
-        self._nodes = 0
+        self.nodes_composed = 0
 
     def compose_node(self, parent, index):
         self._depth += 1
-        self._nodes += 1
+        self.nodes_composed += 1
         try:
-            if self._depth > MAX_DEPTH or self._nodes > MAX_NODES:
+            if self._depth > MAX_DEPTH or self.nodes_composed > MAX_NODES:
                 event = self.peek_event()
                 line = event.start_mark.line + 1 if event.start_mark else None
                 if self._depth > MAX_DEPTH:
@@ -116,14 +119,16 @@ class _Builder:
         self.lines: dict[Path_, int] = {}
         self.errors: list[PatchsetError] = []
         self.visits = 0
+        self.max_visits = loader.nodes_composed + MAX_ALIAS_NODES
 
     def fatal(self, problem: str, node: yaml.Node | None, path: Path_ = ()) -> PatchsetError:
         return PatchsetError(problem, file=self.file, line=_line(node) if node else None, key=key_text(path))
 
     def build(self, node: yaml.Node, path: Path_, depth: int) -> Any:
         self.visits += 1
-        if self.visits > MAX_NODES:
-            raise self.fatal(f"more than {MAX_NODES} YAML nodes once aliases are expanded (an alias bomb?)", node)
+        if self.visits > self.max_visits:
+            problem = f"more than {self.max_visits} YAML nodes once aliases are expanded (an alias bomb?)"
+            raise self.fatal(problem, node)
         if depth > MAX_DEPTH:
             raise self.fatal(f"nested more than {MAX_DEPTH} levels deep (a recursive alias?)", node)
         if isinstance(node, yaml.ScalarNode):
