@@ -316,7 +316,10 @@ class Patchset(StrictModel):
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
-    extends: str | None = Field(default=None, description="A bundled patchset name or a path; its patches come first.")
+    extends: str | None = Field(
+        default=None,
+        description="A bundled patchset name (qwen3) or a .yaml/.yml path relative to this file; its patches come first.",
+    )
     model_types: list[str] = Field(min_length=1, description="config.model_type values this patchset is for.")
     requires: Requires = Field(default_factory=Requires)
     on_unsupported: OnUnsupported = OnUnsupported.error
