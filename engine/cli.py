@@ -21,26 +21,37 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from engine.loader import load_patchset
+    from engine.loader import load_patchset, resolve
 
     failed = 0
     results = []
     for path in args.files:
+        used = path
         try:
-            ps = load_patchset(path)
+            used = str(resolve(path))  # the file actually read: a local copy wins over the bundled one
+            ps = load_patchset(used)
         except PatchError as exc:
             failed += 1
             problems = getattr(exc, "errors", None) or [exc]
-            results.append({"file": path, "ok": False, "errors": [_error_dict(e) for e in problems]})
+            errors = [_error_dict(e) for e in problems]
+            results.append({"file": used, **_given(path, used), "ok": False, "errors": errors})
             if not args.json:
                 print(exc, file=sys.stderr)
         else:
-            results.append({"file": path, "ok": True, "name": ps.name, "patches": len(ps.patches)})
+            entry = {"file": used, **_given(path, used), "ok": True, "name": ps.name, "patches": len(ps.patches)}
+            if len(ps.files) > 1:
+                entry["extends"] = list(ps.files[1:])  # the bases read, in order
+            results.append(entry)
             if not args.quiet and not args.json:
-                print(f"{path}: ok ({ps.name}, {len(ps.patches)} patches)")
+                print(f"{used}: ok ({ps.name}, {len(ps.patches)} patches)")
     if args.json:
         print(json.dumps({"ok": not failed, "files": results}, indent=2))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _given(given: str, used: str) -> dict[str, str]:
+    """``{"given": ...}`` when the file used is not literally what was typed (``qwen3`` -> its path)."""
+    return {"given": given} if given != used else {}
 
 
 def _error_dict(exc: Exception) -> dict[str, Any]:
@@ -90,9 +101,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         print(json.dumps(Report.from_plan(the_plan).to_dict(), indent=2))
     else:
-        from engine.report import format_decisions
+        from engine.report import format_decisions, from_files
 
-        print(f"plan {ps.name!r} for a tiny {the_plan.model_type} on {the_plan.device.value} ({the_plan.mode})")
+        print(f"plan {ps.name!r}{from_files(ps.files)} for a tiny {the_plan.model_type} "
+              f"on {the_plan.device.value} ({the_plan.mode})")
         print(format_decisions(the_plan.decisions, detail=args.detail))
     return EXIT_OK
 
@@ -100,6 +112,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.api import apply, revert, verify
     from engine.loader import load_patchset
+    from engine.report import from_files
 
     ps = load_patchset(args.patchset)
     model = _tiny_model_for(ps, args.model_type, args.dtype)
@@ -109,11 +122,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     finally:
         revert(model)  # releases function routers (matters when main() runs inside a process)
     if args.json:
-        data = {"ok": report.passed, "patchset": ps.name, "model_type": applied.model_type,
+        data = {"ok": report.passed, "patchset": ps.name, "file": applied.file, "model_type": applied.model_type,
                 "model": type(model).__name__, "device": applied.device, **report.to_dict()}
         print(json.dumps(data, indent=2))
     else:
-        print(f"verify {ps.name!r} on a tiny {applied.model_type} ({type(model).__name__}, {applied.device})")
+        print(f"verify {ps.name!r}{from_files(ps.files)} on a tiny {applied.model_type} "
+              f"({type(model).__name__}, {applied.device})")
         print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
     return EXIT_OK if report.passed else EXIT_FAILED
 
@@ -161,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
         ("verify", _cmd_verify, "apply to a tiny model and compare patched vs original numerically"),
     ):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("patchset", help="bundled name (qwen3, qwen3.yaml) or path")
+        p.add_argument("patchset", help="bundled name (qwen3) or a .yaml path (qwen3.yaml: ./qwen3.yaml if it exists)")
         p.add_argument("--model-type", help="model_type of the tiny model (default: the patchset's)")
         p.add_argument("--device", help="cpu, cuda, npu, xpu, mps (default: current accelerator)")
         p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -84,9 +84,12 @@ class Plan:
         return tuple(d for d in self.decisions if d.action == "skip")
 
     def __str__(self) -> str:
-        from engine.report import format_decisions
+        from engine.report import format_decisions, from_files
 
-        head = f"plan {self.patchset.name!r} for {self.model_type} on {self.device.value} ({self.mode})"
+        head = (
+            f"plan {self.patchset.name!r}{from_files(self.patchset.files)} "
+            f"for {self.model_type} on {self.device.value} ({self.mode})"
+        )
         return head + "\n" + format_decisions(self.decisions)
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.planner import Decision, Plan
 
-__all__ = ["Report", "format_decisions", "format_table"]
+__all__ = ["Report", "format_decisions", "format_table", "from_files"]
 
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -19,6 +19,16 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def from_files(files: Sequence[str]) -> str:
+    """`` from /abs/qwen3.yaml`` (and `` (extends /abs/base.yaml)``); ``""`` for an in-memory patchset."""
+    if not files:
+        return ""
+    text = f" from {files[0]}"
+    if len(files) > 1:
+        text += f" (extends {', '.join(files[1:])})"
+    return text
 
 
 def _grouped(decisions: Iterable[Decision]) -> list[tuple[str, str, str, str, int, str]]:
@@ -50,10 +60,21 @@ class Report:
     mode: str
     decisions: tuple[Decision, ...]
     verification: Any = field(default=None)
+    #: The files the patchset was read from, as absolute paths (its own first, then ``extends``
+    #: bases); empty for a patchset given as a dict or built in Python.
+    files: tuple[str, ...] = ()
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Report:
-        return cls(plan.patchset.name, plan.model_type, plan.device.value, plan.mode, plan.decisions)
+        return cls(
+            plan.patchset.name, plan.model_type, plan.device.value, plan.mode, plan.decisions,
+            files=plan.patchset.files,
+        )
+
+    @property
+    def file(self) -> str | None:
+        """The patchset file actually applied (absolute), so a local copy and the bundled one are told apart."""
+        return self.files[0] if self.files else None
 
     @property
     def patched(self) -> list[str]:
@@ -75,6 +96,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {
             "patchset": self.patchset,
+            "file": self.file,
+            "files": list(self.files),
             "model_type": self.model_type,
             "device": self.device,
             "mode": self.mode,
@@ -91,7 +114,7 @@ class Report:
     def __str__(self) -> str:
         n = len(self.patched)
         head = (
-            f"patchset {self.patchset!r} on {self.model_type} ({self.device}, {self.mode}): "
+            f"patchset {self.patchset!r}{from_files(self.files)} on {self.model_type} ({self.device}, {self.mode}): "
             f"{n} patched, {len(self.skipped)} skipped"
         )
         text = head + "\n" + self.table()

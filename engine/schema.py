@@ -316,7 +316,10 @@ class Patchset(StrictModel):
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
-    extends: str | None = Field(default=None, description="A bundled patchset name or a path; its patches come first.")
+    extends: str | None = Field(
+        default=None,
+        description="A bundled patchset name (qwen3) or a .yaml/.yml path relative to this file; its patches come first.",
+    )
     model_types: list[str] = Field(min_length=1, description="config.model_type values this patchset is for.")
     requires: Requires = Field(default_factory=Requires)
     on_unsupported: OnUnsupported = OnUnsupported.error
@@ -326,6 +329,13 @@ class Patchset(StrictModel):
     #: Where each patch is written, set by the loader: ``{(index,) or (index, key): (file, line)}``.
     #: Private (not data): planner errors use it to point at the offending patch.
     _origins: dict[tuple[Any, ...], tuple[str | None, int | None]] = PrivateAttr(default_factory=dict)
+    #: The files read, as absolute paths: this patchset's own first, then each base ``extends`` pulled in.
+    _files: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files this patchset was loaded from (its own first, then its ``extends`` bases); () for a dict."""
+        return self._files
 
     @model_validator(mode="after")
     def _unique_targets(self) -> Patchset:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from engine.cli import main
+from engine.loader import bundled_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ def test_verify_prints_the_per_module_table(capsys) -> None:
     code, out, _ = run(capsys, "verify", "qwen3.yaml", "--model-type", "qwen3")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0] == "verify 'qwen3' on a tiny qwen3 (Qwen3ForCausalLM, cpu)"
+    assert lines[0] == f"verify 'qwen3' from {bundled_dir() / 'qwen3.yaml'} on a tiny qwen3 (Qwen3ForCausalLM, cpu)"
     assert lines[1].startswith("verification passed: 12 patched modules and functions")
     assert re.match(r"model\.norm +Qwen3RMSNorm +rms_norm +torch +0 / 0 +0 / 0 +ok$", lines[12])
 

@@ -11,7 +11,9 @@ Every problem of a file is reported at once: the raised :class:`PatchsetError` c
 first problem's ``file``, ``line`` and ``key``, its ``errors`` attribute lists one
 :class:`PatchsetError` per problem, and its text has one line per problem.
 
-Names resolve to the bundled ``patchsets/`` folder first, then to paths.
+A bare name (``qwen3``) is the bundled patchset; anything else is a path, and an existing file
+wins over the bundled one (``qwen3.yaml`` is the local copy when there is one); only
+``.yaml``/``.yml`` files are ever read (see :func:`resolve`). Loading is linear in the file's size.
 
 One module per job: :mod:`.names` (names and paths), :mod:`.yaml_lines` (YAML with line
 numbers), :mod:`.extends` (duplicates and ``extends`` merging), :mod:`.schema_types` and
@@ -23,9 +25,10 @@ from engine.loader.extends import MAX_EXTENDS
 from engine.loader.load import load_patchset, patch_location
 from engine.loader.names import bundled_dir, bundled_names, resolve
 from engine.loader.schema_export import SCHEMA_FILE, json_schema, json_schema_text, write_json_schema
-from engine.loader.yaml_lines import MAX_BYTES, MAX_DEPTH, MAX_NODES
+from engine.loader.yaml_lines import MAX_ALIAS_NODES, MAX_BYTES, MAX_DEPTH, MAX_NODES
 
 __all__ = [
+    "MAX_ALIAS_NODES",
     "MAX_BYTES",
     "MAX_DEPTH",
     "MAX_EXTENDS",

@@ -31,6 +31,7 @@ def _finish(
         errors.extend(validation_errors(exc, data, origins, have_duplicates=bool(errors)))
     if errors:
         raise combine(errors, files)
+    patchset._files = tuple(f for f in dict.fromkeys(files) if f is not None)
     patchset._origins = {
         path[1:]: origin for path, origin in origins.items() if len(path) in (2, 3) and path[0] == "patches"
     }
@@ -55,9 +56,11 @@ def load_patchset(source: str | os.PathLike | dict) -> Patchset:
     """Load and validate a patchset.
 
     Args:
-        source: a bundled name (``"qwen3"`` or ``"qwen3.yaml"``, looked up in
-            :func:`bundled_dir` first), a path, or an in-memory patchset (a dict; its
-            errors have ``file=None``, its ``extends`` resolves relative to the working folder).
+        source: a bundled name (``"qwen3"``), a path (``"qwen3.yaml"``, ``"./configs/x.yaml"``,
+            a :class:`~pathlib.Path`; an existing file wins over the bundled one, see
+            :func:`engine.loader.resolve`), or an in-memory patchset (a dict; its errors have
+            ``file=None``, its ``extends`` resolves relative to the working folder).
+            ``patchset.files`` names the files actually read, as absolute paths.
 
     Raises:
         PatchsetError: every problem found, one line each, as ``file:line: key: problem``.
@@ -65,12 +68,9 @@ def load_patchset(source: str | os.PathLike | dict) -> Patchset:
     if isinstance(source, dict):
         data = copy.deepcopy(source)
         return _finish(data, {}, None, [], [None])
-    if isinstance(source, str):
-        path = resolve(source)
-    elif isinstance(source, os.PathLike):
-        path = Path(os.fspath(source))
-    else:
+    if not isinstance(source, (str, os.PathLike)):
         raise PatchsetError(f"a patchset source is a name, a path or a dict, not {type(source).__name__}")
+    path = resolve(source)  # absolute; refuses, unread, anything but a .yaml/.yml file
     shown = str(path)
     data, origins = parse_yaml(read_text(path, shown), shown)
-    return _finish(data, origins, path.parent, [(path.resolve(), shown)], [shown])
+    return _finish(data, origins, path.parent, [(path, shown)], [shown])

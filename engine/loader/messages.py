@@ -49,6 +49,19 @@ def describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def kind_of(value: Any) -> str:
+    """The kind of a value without the value itself (for data that may not be a patchset)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return describe(value)  # "a mapping", "a list", "a <type>": no content
+
+
 def _quoted(values: list[Any]) -> str:
     return ", ".join(repr(str(v)) for v in values)
 
@@ -201,12 +214,13 @@ def validation_errors(
         if err["type"] in _WHOLE_INPUT:
             by_path.setdefault(path, []).append(err)
     unions = {p for p, errs in by_path.items() if len(errs) > 1}
+    # Paths some error lies strictly beneath, collected once (a scan per error was quadratic).
+    above_an_error = {q[:n] for q, _ in found for n in range(len(q))}
     out: list[PatchsetError] = []
     done: set[Path_] = set()
     for path, err in found:
         if path in unions and err["type"] in _WHOLE_INPUT:
-            deeper = any(len(q) > len(path) and q[: len(path)] == path for q, _ in found)
-            if deeper or path in done:
+            if path in above_an_error or path in done:
                 continue
             done.add(path)
             wanted = list(dict.fromkeys(_expectation(e) for e in by_path[path]))

@@ -1,4 +1,4 @@
-"""Where a patchset name leads: the bundled ``patchsets/`` folder first, then paths."""
+"""Where a patchset name leads: a bare name to the bundled ``patchsets/`` folder, a path to its file."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from engine.errors import PatchsetError
 
 _YAML_EXT = (".yaml", ".yml")
+
+_SEPARATORS = ("/", "\\", os.sep)
 
 
 def bundled_dir() -> Path:
@@ -36,53 +38,101 @@ def _bundled_hint() -> str:
     return "bundled patchsets: " + (", ".join(names) if names else "(none)")
 
 
-def _bundled_file(name: str) -> Path | None:
-    """The bundled file for a plain name such as ``qwen3`` or ``qwen3.yaml``, if any."""
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        return None
-    stem = name
-    for ext in _YAML_EXT:
-        if stem.endswith(ext):
-            stem = stem[: -len(ext)]
-            break
-    if not stem:
+def is_bare_name(text: str) -> bool:
+    """``qwen3``: no folder, no ``.yaml``/``.yml`` suffix, not hidden. Such a name means a bundled patchset."""
+    return bool(text) and not any(sep in text for sep in _SEPARATORS) and not text.startswith(".") and not (
+        _has_yaml_suffix(text)
+    )
+
+
+def _has_yaml_suffix(name: str | Path) -> bool:
+    return str(name).lower().endswith(_YAML_EXT)
+
+
+def _bundled_file(stem: str) -> Path | None:
+    """The bundled file of a name such as ``qwen3`` (or the stem of ``qwen3.yaml``), if any."""
+    if not stem or any(sep in stem for sep in _SEPARATORS) or stem.startswith("."):
         return None
     candidate = bundled_dir() / f"{stem}.yaml"
     return candidate if candidate.is_file() else None
 
 
-def resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathLike | None = None) -> Path:
-    """Find a patchset file: a bundled name first, then relative to ``relative_to``, then as given.
+def _candidates(path: Path) -> list[Path]:
+    """``path`` itself when it ends in .yaml/.yml, else ``path.yaml`` then ``path.yml``."""
+    if not path.name:  # "/" or a drive root: no file name to complete
+        return []
+    if _has_yaml_suffix(path.name):
+        return [path]
+    return [path.with_name(path.name + ext) for ext in _YAML_EXT]
 
-    ``relative_to`` is the folder of the extending file (a file is taken to mean its folder).
-    A path without a suffix also matches the same path with ``.yaml``. Raises
-    :class:`PatchsetError`, listing the bundled names, when nothing is found.
+
+def _checked(path: Path, text: str) -> Path:
+    """The real path of an existing patchset file; refused, unread, if it is not a .yaml/.yml file."""
+    real = path.resolve()
+    if not _has_yaml_suffix(real.name):  # a symlink named x.yaml that leads elsewhere
+        raise PatchsetError(
+            f"{text!r} leads to {str(real)!r}, which is not a .yaml/.yml file, so it is not read as a "
+            f"patchset; give a bundled name or a .yaml/.yml file. {_bundled_hint()}",
+            file=str(path.absolute()),
+        )
+    return real
+
+
+def _not_a_patchset(text: str, path: Path) -> PatchsetError:
+    if path.is_dir():
+        problem = f"{text!r} is a folder, so it is not read as a patchset; give a bundled name or a .yaml/.yml file"
+    else:
+        problem = (
+            f"{text!r} is not a .yaml/.yml file, so it is not read as a patchset; give a bundled name "
+            "or a .yaml/.yml file (rename the file to .yaml if it is a patchset)"
+        )
+    return PatchsetError(f"{problem}. {_bundled_hint()}", file=str(path.absolute()))
+
+
+def resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathLike | None = None) -> Path:
+    """The patchset file a name or path means, as an absolute path.
+
+    - A bare name (``qwen3``: no folder, no suffix) is the bundled patchset of that name; only
+      when none is bundled, ``<folder>/qwen3.yaml`` (or ``.yml``).
+    - Anything else is a path: ``qwen3.yaml``, ``./qwen3.yaml``, ``configs/qwen3``. An existing
+      file wins (the copy being edited); a path without suffix also matches ``.yaml``/``.yml``.
+      Only a plain file name (``qwen3.yaml``, no folder) that exists nowhere falls back to the
+      bundled patchset of that stem, as Liger and LlamaFactory users type names. A
+      :class:`os.PathLike` is always a path.
+    - Paths are relative to ``relative_to`` (the extending file, or its folder), else to the
+      working folder.
+
+    Only ``.yaml``/``.yml`` files are patchsets: another existing file is refused without being
+    read, so ``extends: ../../etc/passwd`` echoes nothing. Raises :class:`PatchsetError`,
+    listing the bundled names, when nothing is found.
     """
-    raw = os.fspath(name_or_path)
-    text = os.fsdecode(raw)
-    bundled = _bundled_file(text)
-    if bundled is not None:
-        return bundled
+    is_path_object = not isinstance(name_or_path, str)
+    text = os.fsdecode(os.fspath(name_or_path))
     if not text:
         raise PatchsetError(f"empty patchset name; {_bundled_hint()}")
-    given = Path(text)
-    bases: list[Path] = []
-    if relative_to is not None and not given.is_absolute():
-        folder = Path(relative_to)
-        if folder.is_file():
-            folder = folder.parent
-        bases.append(folder / given)
-    bases.append(given)
+    folder = Path(relative_to) if relative_to is not None else Path.cwd()
+    if relative_to is not None and folder.is_file():
+        folder = folder.parent
+    given = Path(text).expanduser()
+    base = given if given.is_absolute() else folder / given
+    bare = not is_path_object and is_bare_name(text)
+    if bare:
+        bundled = _bundled_file(text)
+        if bundled is not None:
+            return bundled
     tried: list[str] = []
-    for base in bases:
-        candidates = [base]
-        if base.suffix not in _YAML_EXT:
-            candidates.append(base.with_name(base.name + ".yaml"))
-        for candidate in candidates:
-            tried.append(str(candidate))
-            if candidate.is_file():
-                return candidate
+    for candidate in _candidates(base):
+        tried.append(str(candidate))
+        if candidate.is_file():
+            return _checked(candidate, text)
+    if not _has_yaml_suffix(base.name) and base.exists():
+        raise _not_a_patchset(text, base)
+    if not is_path_object and not bare and given.name == text and _has_yaml_suffix(text):
+        bundled = _bundled_file(text.rsplit(".", 1)[0])
+        if bundled is not None:
+            return bundled
+    if is_path_object and _has_yaml_suffix(base.name):
+        raise PatchsetError("no such file", file=str(base))
     looked = ", ".join(dict.fromkeys(tried))
-    raise PatchsetError(
-        f"no patchset {text!r}: not a bundled name and no such file (looked at {looked}); {_bundled_hint()}"
-    )
+    what = "not a bundled name and no such file" if bare else "no such file"
+    raise PatchsetError(f"no patchset {text!r}: {what} (looked at {looked}); {_bundled_hint()}")

@@ -12,16 +12,24 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.resolver import Resolver
 
 from engine.errors import PatchsetError
-from engine.loader.messages import Origin, Path_, combine, describe, key_text
+from engine.loader.messages import Origin, Path_, combine, describe, key_text, kind_of
 
 #: Deepest nesting of mappings and lists a patchset may have.
 MAX_DEPTH = 50
 
 
-#: Most YAML nodes a patchset may have, counting every expansion of an alias (refuses alias bombs).
-MAX_NODES = 100_000
+#: Most YAML nodes a patchset file may hold (a patch is about ten; a 4 MB file holds fewer).
+MAX_NODES = 1_000_000
+
+
+#: Most nodes aliases may add once expanded, beyond the file's own: refuses alias bombs (billions
+#: of nodes from a few lines) after a fraction of a second, whatever the size of the file.
+MAX_ALIAS_NODES = 100_000
 
 
 #: Largest patchset file, in bytes.
@@ -35,6 +43,9 @@ _SCALAR_TAGS = {_TAG + t for t in ("null", "bool", "int", "float", "str", "times
 
 
 _AS_STRING_TAGS = {_TAG + "value", _TAG + "merge"}  # `=` and `<<` written as values: plain text
+
+
+_STR_TAG = _TAG + "str"
 
 
 _SEQ_TAG = _TAG + "seq"
@@ -54,20 +65,39 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-class _Loader(yaml.SafeLoader):
-    """A safe loader that refuses deep nesting and huge documents while it composes."""
+try:  # libyaml's event parser: the scanning, which is most of the time, runs in C
+    from yaml.cyaml import CParser as _EventParser
+except ImportError:  # PyYAML built without libyaml: the same events, in Python
+    from yaml.parser import Parser as _PyParser
+    from yaml.reader import Reader
+    from yaml.scanner import Scanner
+
+    class _EventParser(Reader, Scanner, _PyParser):  # type: ignore[no-redef]
+        def __init__(self, text: str):
+            Reader.__init__(self, text)
+            Scanner.__init__(self)
+            _PyParser.__init__(self)
+
+
+class _Loader(Composer, _EventParser, SafeConstructor, Resolver):
+    """Composes nodes from parser events (in C when libyaml is there), refusing deep nesting and
+    huge documents while it composes; the composing itself is PyYAML's Python composer, so the
+    nodes, tags and line marks are the same with and without libyaml."""
 
     def __init__(self, text: str, file: str | None):
-        super().__init__(text)
+        _EventParser.__init__(self, text)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
         self._file = file
         self._depth = 0
-        self._nodes = 0
+        self.nodes_composed = 0
 
     def compose_node(self, parent, index):
         self._depth += 1
-        self._nodes += 1
+        self.nodes_composed += 1
         try:
-            if self._depth > MAX_DEPTH or self._nodes > MAX_NODES:
+            if self._depth > MAX_DEPTH or self.nodes_composed > MAX_NODES:
                 event = self.peek_event()
                 line = event.start_mark.line + 1 if event.start_mark else None
                 if self._depth > MAX_DEPTH:
@@ -89,14 +119,16 @@ class _Builder:
         self.lines: dict[Path_, int] = {}
         self.errors: list[PatchsetError] = []
         self.visits = 0
+        self.max_visits = loader.nodes_composed + MAX_ALIAS_NODES
 
     def fatal(self, problem: str, node: yaml.Node | None, path: Path_ = ()) -> PatchsetError:
         return PatchsetError(problem, file=self.file, line=_line(node) if node else None, key=key_text(path))
 
     def build(self, node: yaml.Node, path: Path_, depth: int) -> Any:
         self.visits += 1
-        if self.visits > MAX_NODES:
-            raise self.fatal(f"more than {MAX_NODES} YAML nodes once aliases are expanded (an alias bomb?)", node)
+        if self.visits > self.max_visits:
+            problem = f"more than {self.max_visits} YAML nodes once aliases are expanded (an alias bomb?)"
+            raise self.fatal(problem, node)
         if depth > MAX_DEPTH:
             raise self.fatal(f"nested more than {MAX_DEPTH} levels deep (a recursive alias?)", node)
         if isinstance(node, yaml.ScalarNode):
@@ -126,7 +158,7 @@ class _Builder:
         )
 
     def scalar(self, node: yaml.ScalarNode, path: Path_) -> Any:
-        if node.tag in _AS_STRING_TAGS:
+        if node.tag == _STR_TAG or node.tag in _AS_STRING_TAGS:  # most scalars: no constructor needed
             return node.value
         if node.tag not in _SCALAR_TAGS:
             return self.bad_tag(node, path)
@@ -231,6 +263,9 @@ def parse_yaml(text: str, file: str | None) -> tuple[dict, dict[Path_, Origin]]:
             node = loader.get_single_node()
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
+            if "maximum nesting depth" in str(exc.problem):  # libyaml's own bound (1000), below ours in effect
+                line = mark.line + 1 if mark else None
+                raise PatchsetError(f"nested more than {MAX_DEPTH} levels deep", file=file, line=line) from None
             parts = [p for p in (exc.context, exc.problem) if p]
             problem = "YAML syntax error: " + (", ".join(parts) if parts else "invalid YAML")
             raise PatchsetError(problem, file=file, line=mark.line + 1 if mark else None) from None
@@ -260,8 +295,11 @@ def parse_yaml(text: str, file: str | None) -> tuple[dict, dict[Path_, Origin]]:
     if builder.errors:
         raise combine(builder.errors, [file])
     if not isinstance(data, dict):
+        # Only the kind of value, never the value: a file that is not a patchset (a config, a
+        # password file behind a symlink) must not have its first line echoed into logs.
         raise PatchsetError(
-            f"the top level must be a mapping (name: ..., model_types: [...], patches: [...]), not {describe(data)}",
+            "the top level must be a mapping (name: ..., model_types: [...], patches: [...]), "
+            f"not {kind_of(data)}",
             file=file,
             line=_line(node),
         )
