@@ -9,11 +9,13 @@ projection over the routes sorted by expert:
    (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``; ``npu_grouped_matmul``);
 3. each row is scaled by its routing weight and the rows are summed back per token.
 
-``grouped_mm`` sums a token's contributions as transformers' eager loop does (experts in
-ascending order, one rounding per add, in the input dtype), so its forward is bit-equal to
-the eager forward wherever the grouped matmul's rows are (torch's CPU kernel: yes). Its
-gradients come from autograd over the same graph: an expert that receives no token gets an
-exact zero gradient, and a token routed twice to the same expert gets both contributions
+``grouped_mm`` feeds each expert the same rows in the same order as the eager loop and sums
+a token's contributions as the loop's ``index_add_`` calls do (experts in ascending order,
+rounded to the input dtype after each expert; duplicate routes to one expert summed in fp32
+first), so its forward equals the eager forward up to the grouped matmul's own rounding
+(bit-equal at the benchmark's shapes in bf16; a row 1 ulp apart in some small fp32 cases).
+Its gradients come from autograd over the same graph: an expert that receives no token gets
+an exact zero gradient, and a token routed twice to the same expert gets both contributions
 (tests/test_moe_experts.py checks both, against the eager module).
 
 The expert-parallel sentinel (index == number of experts) sorts after every real expert,
@@ -123,13 +125,30 @@ def grouped_experts(
     # expert order (ties: ascending slot) are the order the eager loop adds them in.
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
-    slot_order = torch.sort(top_k_index, dim=1, stable=True).indices
+    slot_experts, slot_order = torch.sort(top_k_index, dim=1, stable=True)
     picks = position.view(top_k, tokens).t().gather(1, slot_order)
     contributions = out[picks.reshape(-1)].view(tokens, top_k, -1)
-    result = contributions[:, 0]
-    for slot in range(1, top_k):
-        result = result + contributions[:, slot]
-    return result
+    return _sum_like_index_add(contributions, slot_experts)
+
+
+def _sum_like_index_add(contributions: torch.Tensor, slot_experts: torch.Tensor) -> torch.Tensor:
+    """Sum [T, K, H] over K in the eager loop's rounding: one ``index_add_`` per expert.
+
+    ``index_add_`` adds in fp32 and rounds once per call, so a token's routes to one expert
+    (duplicates) are summed in fp32 before the one rounding; routes to different experts
+    round after each. In fp32 this is the plain sequential sum.
+    """
+    dtype = contributions.dtype
+    if dtype == torch.float32 or contributions.shape[1] == 1:
+        result = contributions[:, 0]
+        for slot in range(1, contributions.shape[1]):
+            result = result + contributions[:, slot]
+        return result
+    acc = contributions[:, 0].float()
+    for slot in range(1, contributions.shape[1]):
+        same = (slot_experts[:, slot] == slot_experts[:, slot - 1]).unsqueeze(-1)
+        acc = torch.where(same, acc, acc.to(dtype).float()) + contributions[:, slot].float()
+    return acc.to(dtype)
 
 
 def _settings(patch: Any) -> dict[str, Any]:
