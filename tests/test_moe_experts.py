@@ -81,7 +81,7 @@ def run(experts: torch.nn.Module, forward, dtype: torch.dtype, index: torch.Tens
     xs = x.detach().to(dtype).clone().requires_grad_()
     ws = weights.detach().to(dtype).clone().requires_grad_()
     out = forward(experts, xs, index, ws)
-    upstream = torch.linspace(-1, 1, out.numel()).view_as(out)
+    upstream = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     (out.float() * upstream).sum().backward()
     grads = {"hidden_states": xs.grad, "top_k_weights": ws.grad}
     grads.update({n: p.grad for n, p in experts.named_parameters()})
