@@ -13,7 +13,7 @@ expert weight and the router get gradients), interleaved round-robin, median of 
 The output and the gradients of every variant are checked against eager's (max abs error).
 
     python benchmarks/moe.py --tokens 512 2048 --dtype bf16 fp32 --eager-dtypes bf16 \
-        --json benchmarks/results/moe_cpu.json --markdown benchmarks/results/moe_cpu.md
+        --json benchmarks/results/moe_cpu.json --section benchmarks/results/cpu.md
 """
 
 from __future__ import annotations
@@ -163,6 +163,21 @@ def markdown(rows: list[dict[str, Any]], threads: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+BEGIN, END = "<!-- moe: written by benchmarks/moe.py -->", "<!-- /moe -->"
+
+
+def write_section(path: Path, text: str, title: str = "### MoE experts") -> None:
+    """Put ``text`` into ``path`` between this script's markers: other writers' sections stay as they are."""
+    old = path.read_text() if path.exists() else ""
+    section = f"{BEGIN}\n{title}\n\n{text.rstrip()}\n{END}\n"
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + section + rest.split(END, 1)[1].lstrip("\n")
+    else:
+        new = old.rstrip("\n") + ("\n\n" if old.strip() else "") + section
+    path.write_text(new)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
@@ -173,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtypes to run the eager loop in (fp32 eager needs ~2x bf16's ~9 GiB)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--section", type=Path, help="also write the table as the MoE section of this file "
+                        "(e.g. benchmarks/results/cpu.md), between markers, leaving its other sections alone")
     args = parser.parse_args(argv)
     rows = []
     for dtype_name in args.dtype:
@@ -186,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.markdown:
         args.markdown.write_text(text)
+    if args.section:
+        write_section(args.section, text)
     return 0
 
 
