@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import sys
 
 import pytest
@@ -188,6 +189,10 @@ def test_liger_call_boundary(monkeypatch) -> None:
 
 
 def test_keyword_call_and_signature_names() -> None:
+    model = tiny_for("gpt_oss")
+    original = inspect.signature(model.model.layers[0].mlp.experts.forward)
+    engine.apply(model, "gpt_oss", device="cpu")
+    assert inspect.signature(model.model.layers[0].mlp.experts.forward) == original
     experts = build_experts("gpt_oss", "GptOssExperts")
     index, weights = routing()
     x = _input()

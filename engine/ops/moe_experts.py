@@ -226,6 +226,7 @@ class MoeExpertsOp(ModuleOp):
                 args = tuple(bound.arguments[n] for n in names)
             return impl(*args, **expert_weights(self, patch))
 
+        forward.__signature__ = inspect.signature(inspect.unwrap(type(module).forward))  # type: ignore[attr-defined]
         return forward
 
     def alternatives(self, patch: MoeExpertsPatch) -> Iterator[tuple[str, MoeExpertsPatch]]:
