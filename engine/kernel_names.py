@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__ = ["BUNDLED", "add", "discard", "known"]
 
 #: Names of the providers in ``engine/kernels/`` (``torch`` is every op's reference).
-BUNDLED: frozenset[str] = frozenset({"torch", "compiled", "liger", "fla", "npu"})
+BUNDLED: frozenset[str] = frozenset({"torch", "compiled", "liger", "fla", "npu", "grouped_mm"})
 
 _EXTRA: set[str] = set()
 

@@ -21,6 +21,8 @@ __all__ = [
     "CastOrder",
     "DeltaRule",
     "DeltaRuleForm",
+    "ExpertsActivation",
+    "ExpertsLayout",
     "Device",
     "FunctionPatch",
     "FusedLinearCrossEntropyPatch",
@@ -29,6 +31,7 @@ __all__ = [
     "KernelSpec",
     "LinearAttentionPatch",
     "ModulePatch",
+    "MoeExpertsPatch",
     "OnUnsupported",
     "Patch",
     "Patchset",
@@ -298,8 +301,44 @@ class FusedLinearCrossEntropyPatch(ModulePatch):
 
 
 
+class ExpertsLayout(StrEnum):
+    """Where gate and up sit in the fused gate_up projection's output features."""
+
+    concatenated = "concatenated"  # [gate | up]: gate, up = out.chunk(2, -1) (qwen, mixtral, deepseek, ...)
+    interleaved = "interleaved"  # g0, u0, g1, u1, ...: gate, up = out[..., ::2], out[..., 1::2] (gpt_oss)
+
+
+class ExpertsActivation(StrEnum):
+    """The gating of an expert: what ``h = f(gate, up)`` is."""
+
+    silu = "silu"  # act_fn(gate) * up, act_fn checked to be silu
+    clamped_swiglu = "clamped_swiglu"  # gpt_oss: g = min(gate, limit); (clamp(up, +-limit) + 1) * g * sigmoid(alpha g)
+
+
+class MoeExpertsPatch(ModulePatch):
+    """The experts of an MoE block: ``forward(hidden_states, top_k_index, top_k_weights)`` over 3-D expert weights.
+
+    Per routed (token, slot): ``down_e(f(gate_up_e(x))) * weight``, summed per token. The
+    layout of the weights is declared, and checked at plan time against the weights' shapes
+    and the flags transformers' ``use_experts_implementation`` sets on the class.
+    """
+
+    op: Literal["moe_experts"]
+    gate_up_proj: str = Field(default="gate_up_proj", description="3-D parameter: [E, 2I, H], or [E, H, 2I] if transposed.")
+    down_proj: str = Field(default="down_proj", description="3-D parameter: [E, H, I], or [E, I, H] if transposed.")
+    gate_up_bias: str | None = Field(default=None, description="[E, 2I] bias of gate_up_proj (gpt_oss: gate_up_proj_bias).")
+    down_bias: str | None = Field(default=None, description="[E, H] bias of down_proj (gpt_oss: down_proj_bias).")
+    layout: ExpertsLayout = Field(default=ExpertsLayout.concatenated, description="concatenated [gate|up] or interleaved.")
+    transposed: bool = Field(default=False, description="Weights stored [E, in, out] (x @ W) instead of [E, out, in].")
+    activation: ExpertsActivation = ExpertsActivation.silu
+    act_attr: str = Field(default="act_fn", description="silu: attribute holding the activation; checked to be SiLU.")
+    alpha_attr: str = Field(default="alpha", description="clamped_swiglu: attribute holding alpha.")
+    limit_attr: str = Field(default="limit", description="clamped_swiglu: attribute holding the clamp limit.")
+
+
 Patch = Annotated[
-    RmsNormPatch | GatedRmsNormPatch | SwigluPatch | RopePatch | LinearAttentionPatch | FusedLinearCrossEntropyPatch,
+    RmsNormPatch | GatedRmsNormPatch | SwigluPatch | RopePatch | LinearAttentionPatch | FusedLinearCrossEntropyPatch
+    | MoeExpertsPatch,
     Field(discriminator="op"),
 ]
 

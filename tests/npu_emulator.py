@@ -1,4 +1,4 @@
-"""An emulator of the three ``torch_npu`` ops the ``npu`` provider calls, for CPU tests.
+"""An emulator of the ``torch_npu`` ops the ``npu`` provider calls, for CPU tests.
 
 Written from the vendor's documented contracts (``torch_npu/_op_plugin_docs.py``), not from
 our provider, so that a wrong argument mapping in the provider shows up as wrong numbers:
@@ -7,6 +7,21 @@ our provider, so that a wrong argument mapping in the provider shows up as wrong
   ``rstd = rsqrt(mean(x^2, -1) + eps)`` and ``y = x * rstd * gamma``.
 * ``npu_swiglu(x, dim=-1) -> silu(a) * b`` with ``a, b = x.chunk(2, dim)``.
 * ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + cat(-x2, x1) * r2``, 4-D inputs.
+
+MoE (``aclnnMoeTokenPermute`` / ``mindspore.ops.moe_token_unpermute`` / ``npu_grouped_matmul`` docs):
+
+* ``npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False)
+  -> (permuted_tokens, sorted_indices)``: ``sorted_indices = argsort(argsort(indices.flatten()))``
+  (int32; a stable sort), ``permuted_tokens[sorted_indices[i]] = tokens[i // topk]``.
+* ``npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+  restore_shape=None) -> out[t] = sum_k permuted_tokens[sorted_indices[t*topk + k]] * probs[t, k]``.
+* ``npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=-1,
+  group_list_type=0, ...) -> [y]``: with one x [M, K], one weight [E, K, N], ``split_item`` 2 or 3
+  (single-tensor output) and ``group_type=0`` (groups along M): ``y[rows of group e] = x[rows] @ w[e]``;
+  ``group_list`` is int64, cumulative ends (``group_list_type=0``) or counts (``1``).
+
+All three are differentiable on the device (torch_npu registers their backward); the
+emulator is written in differentiable torch ops.
 
 Assumption (the documentation gives formulas, not rounding): like every fused vendor kernel,
 each op computes in fp32 and rounds once to the input dtype; ``rstd`` is fp32 with the
@@ -55,6 +70,66 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_m
     return (xf * r1.float() + torch.cat((-x2, x1), dim=-1) * r2.float()).to(x.dtype)
 
 
+def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None,
+                          padded_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if padded_mode:
+        raise NotImplementedError("padded_mode=True is not supported (as documented)")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"npu_moe_token_permute: indices must be int32 or int64, got {indices.dtype}")
+    if tokens.dim() != 2:
+        raise ValueError("npu_moe_token_permute: tokens must be 2-D (num_tokens, hidden_size)")
+    topk = indices.shape[1] if indices.dim() == 2 else 1
+    flat = indices.reshape(-1)
+    sorted_indices = torch.argsort(torch.argsort(flat, stable=True), stable=True).to(torch.int32)
+    source = torch.arange(flat.numel()) // topk
+    gather = torch.empty_like(source)
+    gather[sorted_indices.long()] = source
+    permuted = tokens[gather]
+    if num_out_tokens is not None and num_out_tokens > 0:
+        permuted = permuted[:num_out_tokens]
+    return permuted, sorted_indices
+
+
+def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
+                            probs: torch.Tensor | None = None, padded_mode: bool = False,
+                            restore_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    if padded_mode:
+        raise NotImplementedError("padded_mode=True is not supported (as documented)")
+    if sorted_indices.dtype != torch.int32:
+        raise TypeError("npu_moe_token_unpermute: sorted_indices must be int32")
+    topk = probs.shape[1] if probs is not None else 1
+    rows = permuted_tokens[sorted_indices.long()].float().view(-1, topk, permuted_tokens.shape[-1])
+    if probs is not None:
+        rows = rows * probs.float().unsqueeze(-1)
+    return rows.sum(dim=1).to(permuted_tokens.dtype)
+
+
+def npu_grouped_matmul(x: list[torch.Tensor], weight: list[torch.Tensor], *, bias: list[torch.Tensor] | None = None,
+                       group_list: torch.Tensor | None = None, split_item: int = 0, group_type: int = -1,
+                       group_list_type: int = 0, **unsupported: object) -> list[torch.Tensor]:
+    if unsupported:
+        raise NotImplementedError(f"the emulator does not implement {sorted(unsupported)}")
+    if len(x) != 1 or len(weight) != 1 or weight[0].dim() != 3 or split_item not in (2, 3) or group_type != 0:
+        raise NotImplementedError("the emulator implements one x [M, K], one weight [E, K, N], split_item 2/3, "
+                                  "group_type 0")
+    if group_list is None or group_list.dtype != torch.int64:
+        raise TypeError("npu_grouped_matmul: group_list must be an int64 tensor")
+    (xs,), (w,) = x, weight
+    if xs.dtype != w.dtype:
+        raise TypeError(f"npu_grouped_matmul: x {xs.dtype} and weight {w.dtype} must have one dtype")
+    counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        outs.append((xs[start:start + n].float() @ w[e].float()).to(xs.dtype))
+        start += n
+    if start != xs.shape[0]:
+        raise ValueError(f"npu_grouped_matmul: group_list covers {start} rows, x has {xs.shape[0]}")
+    y = torch.cat(outs)
+    if bias is not None:
+        raise NotImplementedError("the emulator does not implement bias")
+    return [y]
+
+
 def make_torch_npu() -> types.ModuleType:
     """A fresh ``torch_npu`` module object holding the emulated ops (and a spec, so find_spec works)."""
     module = types.ModuleType("torch_npu")
@@ -62,8 +137,12 @@ def make_torch_npu() -> types.ModuleType:
     module.npu_rms_norm = npu_rms_norm  # type: ignore[attr-defined]
     module.npu_swiglu = npu_swiglu  # type: ignore[attr-defined]
     module.npu_rotary_mul = npu_rotary_mul  # type: ignore[attr-defined]
+    module.npu_moe_token_permute = npu_moe_token_permute  # type: ignore[attr-defined]
+    module.npu_moe_token_unpermute = npu_moe_token_unpermute  # type: ignore[attr-defined]
+    module.npu_grouped_matmul = npu_grouped_matmul  # type: ignore[attr-defined]
     module.calls = []  # type: ignore[attr-defined]
-    for name in ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul"):
+    for name in ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_moe_token_permute", "npu_moe_token_unpermute",
+                 "npu_grouped_matmul"):
         setattr(module, name, _counted(module, getattr(module, name)))
     return module
 

@@ -299,7 +299,10 @@ def test_patched_on_cpu_trains_and_matches_the_torch_path(name: str) -> None:
     assert torch.equal(got_logits, ref_logits)
     assert got_grads.keys() == ref_grads.keys() and any("linear_attn" in k for k in got_grads)
     for key in ref_grads:
-        assert torch.equal(got_grads[key], ref_grads[key]), key
+        if ".mlp.experts." in key:  # moe_experts (grouped_mm) vs transformers' grouped_mm: another sum order
+            torch.testing.assert_close(got_grads[key], ref_grads[key], rtol=1e-5, atol=1e-7, msg=key)
+        else:
+            assert torch.equal(got_grads[key], ref_grads[key]), key
 
 
 def test_patched_decode_on_cpu_uses_the_recurrent_torch_path(qwen3_5) -> None:

@@ -8,4 +8,4 @@ matters when a plan actually chooses that provider.
 from engine.kernels import torch_reference  # noqa: F401  (first: registers `torch` for every op)
 
 # isort: split
-from engine.kernels import compiled, fla, liger, liger_flce, npu  # noqa: F401  (import registers)
+from engine.kernels import compiled, fla, liger, liger_flce, moe, npu  # noqa: F401  (import registers)

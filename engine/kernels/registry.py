@@ -35,9 +35,9 @@ ALL_DEVICES: frozenset[Device] = frozenset(Device)
 #: The order in which ``kernel: auto`` tries providers, per device. Names with no provider
 #: for an op are passed over; ``torch`` (the reference) ends every list.
 AUTO_ORDER: dict[Device, tuple[str, ...]] = {
-    Device.cuda: ("liger", "fla", "torch"),
+    Device.cuda: ("liger", "fla", "grouped_mm", "torch"),
     Device.npu: ("npu", "fla", "torch"),
-    Device.cpu: ("compiled", "torch"),
+    Device.cpu: ("compiled", "grouped_mm", "torch"),
     Device.xpu: ("torch",),
     Device.mps: ("torch",),
 }

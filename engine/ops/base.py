@@ -64,6 +64,14 @@ class ModuleOp(Op):
         """A plain function ``forward(self, ...)`` to be bound to ``module`` with MethodType."""
         raise NotImplementedError
 
+    def ground_truth(self, module: nn.Module) -> Callable[..., Any]:
+        """The forward ``self`` is verified against: the class's own, unless the op says which of its paths.
+
+        Why: a forward may dispatch on configuration (transformers' experts dispatch on
+        ``config._experts_implementation``); the op names the path that defines its semantics.
+        """
+        return type(module).forward
+
 
 class FunctionOp(Op):
     """An op that replaces a module-level function of a modeling module."""
