@@ -83,6 +83,11 @@ class Plan:
     def skipped(self) -> tuple[Decision, ...]:
         return tuple(d for d in self.decisions if d.action == "skip")
 
+    @property
+    def file(self) -> str | None:
+        """The patchset file planned from (absolute; its ``extends`` bases in ``patchset.files``); None for a dict."""
+        return self.patchset.files[0] if self.patchset.files else None
+
     def __str__(self) -> str:
         from engine.report import format_decisions, from_files
 

@@ -74,7 +74,7 @@ def test_apply_uses_the_local_copy_and_a_bare_name_the_bundled_one(tmp_path, mon
     engine.revert(model)
 
     the_plan = engine.plan(model, "qwen3.yaml", device="cpu")
-    assert the_plan.patchset.files == (str(local),) and f"from {local}" in str(the_plan)
+    assert the_plan.file == str(local) and f"from {local}" in str(the_plan)
     assert torch.equal(_logits(model, batch), expected)  # planning changed nothing
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -38,6 +41,23 @@ def _finish(
     return patchset
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a patchset loads.
+
+    Why: loading allocates several objects per YAML node and frees almost none until it is
+    done, so the collector's full passes walk an ever larger heap: half the time of a
+    10,000-patch file. Nothing the loader builds needs the collector; it resumes afterwards.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def patch_location(patchset: Patchset, index: int, key: str | None = None) -> str:
     """``file:line: `` where ``patches[index]`` (or its ``key``) is written; ``""`` if not from a file.
 
@@ -65,12 +85,13 @@ def load_patchset(source: str | os.PathLike | dict) -> Patchset:
     Raises:
         PatchsetError: every problem found, one line each, as ``file:line: key: problem``.
     """
-    if isinstance(source, dict):
-        data = copy.deepcopy(source)
-        return _finish(data, {}, None, [], [None])
-    if not isinstance(source, (str, os.PathLike)):
-        raise PatchsetError(f"a patchset source is a name, a path or a dict, not {type(source).__name__}")
-    path = resolve(source)  # absolute; refuses, unread, anything but a .yaml/.yml file
-    shown = str(path)
-    data, origins = parse_yaml(read_text(path, shown), shown)
-    return _finish(data, origins, path.parent, [(path, shown)], [shown])
+    with _collector_paused():
+        if isinstance(source, dict):
+            data = copy.deepcopy(source)
+            return _finish(data, {}, None, [], [None])
+        if not isinstance(source, (str, os.PathLike)):
+            raise PatchsetError(f"a patchset source is a name, a path or a dict, not {type(source).__name__}")
+        path = resolve(source)  # absolute; refuses, unread, anything but a .yaml/.yml file
+        shown = str(path)
+        data, origins = parse_yaml(read_text(path, shown), shown)
+        return _finish(data, origins, path.parent, [(path, shown)], [shown])
