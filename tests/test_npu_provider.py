@@ -28,6 +28,7 @@ from engine.verification import probe_batch
 def torch_npu(monkeypatch: pytest.MonkeyPatch):
     module = make_torch_npu()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setattr(torch, "npu", module.torch_npu_namespace, raising=False)  # the emulated device exists
     return module
 
 def _patchset(name: str, ops: set[str]) -> dict:
