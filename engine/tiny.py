@@ -130,9 +130,14 @@ def build_tiny_for(
     file = _patchset_file(patchset)
     check_tiny_config(mt, config, file=file)
     try:
-        return build_tiny_model(mt, config, dtype=dtype, seed=seed)
-    except Exception as exc:  # whatever transformers' config or model __init__ raises for these values
+        model = build_tiny_model(mt, config, dtype=dtype, seed=seed)
+        from engine.hub_functions import torch_path
+
+        with torch.no_grad(), torch_path(model):  # values that build but do not fit (heads vs kv heads) fail here
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    except Exception as exc:  # whatever transformers' config, model __init__ or forward raises for these values
         raise PatchsetError(
             f"building a tiny {mt} model from it failed: {type(exc).__name__}: {str(exc).strip()}. "
             f"Fix the values (keyword arguments of AutoConfig.for_model({mt!r}))", file=file, key="tiny_model.config",
         ) from exc
+    return model
