@@ -112,12 +112,13 @@ def test_a_model_saved_patched_loads_patched_in_a_fresh_process(tmp_path) -> Non
     engine.revert(model)
     script = textwrap.dedent(f"""
         import torch, engine
+        from engine.patcher import applied_report
         model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
         ids = torch.load({str(tmp_path / "ids.pt")!r})
         assert engine.is_patched(model)
         with torch.no_grad():
             torch.save(model(input_ids=ids).logits, {str(tmp_path / "logits.pt")!r})
-        print(sorted({{d.kernel for d in engine.patcher.applied_report(model).decisions}}))
+        print(sorted({{d.kernel for d in applied_report(model).decisions}}))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
