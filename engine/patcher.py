@@ -227,7 +227,8 @@ def _repatch(model: nn.Module, old: AppliedState, the_plan: Plan) -> Report:
     held = [(r.namespace, r.function) for r in old.records if isinstance(r, _RouterRecord)]
     for namespace, function in held:
         routing.acquire(namespace, function)
-    installed = [(r.module, r.module.__dict__.get("forward", MISSING)) for r in old.records if isinstance(r, _ForwardRecord)]
+    forwards = [r.module for r in old.records if isinstance(r, _ForwardRecord)]
+    installed = [(module, module.__dict__.get("forward", MISSING)) for module in forwards]
     try:
         revert(model)
         try:
