@@ -72,7 +72,7 @@ def _copy_bandwidth(repeats: int) -> float:
 
 def _patch_module(module: torch.nn.Module, op_name: str, patch: Any) -> str:
     """Patch one module as apply() would, with the kernel ``auto`` picks on CPU; returns its name."""
-    from engine.forwards import Binding, PatchedForward
+    from engine.bound_forward import Binding, PatchedForward
     from engine.ops.base import get_op
     from engine.planner import resolve_kernel
     from engine.schema import Device, OnUnsupported
@@ -133,7 +133,7 @@ def bench_overhead(repeats: int) -> dict[str, Any]:
     """Per-call cost the engine adds: patched ``module.forward`` vs the kernel called directly."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from engine.forwards import Binding, PatchedForward
+    from engine.bound_forward import Binding, PatchedForward
     from engine.kernels import registry
     from engine.ops.base import get_op
     from engine.schema import RmsNormPatch, Scale

@@ -1,7 +1,7 @@
 """Applying a plan to one model instance, all-or-nothing, and reverting it exactly.
 
 Forwards are replaced on the *instances* (``module.forward = PatchedForward(fn, module, ...)``,
-see :mod:`engine.forwards`), never on the transformers class, so other models of the same
+see :mod:`engine.bound_forward`), never on the transformers class, so other models of the same
 class are untouched. Function patches go through :mod:`engine.routing`. Every change is
 recorded before the next one is made; if any step fails, the records made so far are undone
 in reverse and the model is exactly as it was.
@@ -29,7 +29,7 @@ from torch import nn
 from engine import routing
 from engine.devices import require_present
 from engine.errors import AlreadyPatched
-from engine.forwards import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
+from engine.bound_forward import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
 from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
 from engine.report import Report
@@ -117,7 +117,7 @@ class AppliedState:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Data only: the records (modules and what was there before), the report, the owner.
-        # The forwards themselves pickle as their bindings (engine.forwards.PatchedForward).
+        # The forwards themselves pickle as their bindings (engine.bound_forward.PatchedForward).
         owner = self.owner_ref() if self.owner_ref is not None else None
         return (_restore_state, (self.patchset_key, self.report, self.records, owner))
 

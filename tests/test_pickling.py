@@ -24,7 +24,7 @@ from training_helpers import grads, max_diff
 
 import engine
 from engine import routing
-from engine.forwards import PatchedForward
+from engine.bound_forward import PatchedForward
 
 TOL = 1e-5
 
