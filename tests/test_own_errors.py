@@ -90,3 +90,4 @@ def test_registering_a_kernel_twice_is_our_error() -> None:
     with pytest.raises(engine.InvalidArgument, match="already registered; pick another name") as info:
         registry.register(copy.copy(torch_norm))
     _own(info.value)
+
