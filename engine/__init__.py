@@ -18,10 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
     AlreadyPatched,
+    BackwardUnsupported,
+    DeviceNotAvailable,
     DeviceUnsupported,
+    InvalidArgument,
     KernelNotFound,
     MissingDependency,
     ModelTypeMismatch,
+    NotPatched,
     PatchError,
     PatchsetError,
     SignatureMismatch,
@@ -58,10 +62,14 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "AlreadyPatched",
+    "BackwardUnsupported",
+    "DeviceNotAvailable",
     "DeviceUnsupported",
+    "InvalidArgument",
     "KernelNotFound",
     "MissingDependency",
     "ModelTypeMismatch",
+    "NotPatched",
     "PatchError",
     "Patchset",
     "PatchsetError",

@@ -48,9 +48,8 @@ def apply(
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.
     """
-    already = is_patched(model)
     report = _patch(model, patchset, device=device, mode=mode)
-    if verify and not already:  # a repeated apply of the same patchset changed nothing to verify
+    if verify and report.verification is None:  # a repeat that changed nothing keeps its verification
         try:
             report.verification = verification.verify(model, raise_on_failure=True)
         except VerificationFailed:

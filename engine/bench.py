@@ -32,7 +32,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import MethodType
 from typing import Any
 
 import torch
@@ -73,6 +72,7 @@ def _copy_bandwidth(repeats: int) -> float:
 
 def _patch_module(module: torch.nn.Module, op_name: str, patch: Any) -> str:
     """Patch one module as apply() would, with the kernel ``auto`` picks on CPU; returns its name."""
+    from engine.bound_forward import Binding, PatchedForward
     from engine.ops.base import get_op
     from engine.planner import resolve_kernel
     from engine.schema import Device, OnUnsupported
@@ -80,7 +80,8 @@ def _patch_module(module: torch.nn.Module, op_name: str, patch: Any) -> str:
     provider, _ = resolve_kernel(op_name, "auto", Device.cpu, "inference", OnUnsupported.error)
     assert provider is not None
     op = get_op(op_name)
-    module.forward = MethodType(op.bind(module, patch, provider.build(patch)), module)  # type: ignore[attr-defined]
+    binding = Binding(type(module).__name__, op_name, patch, provider.name)
+    module.forward = PatchedForward(op.bind(module, patch, provider.build(patch)), module, binding)  # as apply does
     return provider.name
 
 
@@ -132,6 +133,7 @@ def bench_overhead(repeats: int) -> dict[str, Any]:
     """Per-call cost the engine adds: patched ``module.forward`` vs the kernel called directly."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+    from engine.bound_forward import Binding, PatchedForward
     from engine.kernels import registry
     from engine.ops.base import get_op
     from engine.schema import RmsNormPatch, Scale
@@ -139,7 +141,8 @@ def bench_overhead(repeats: int) -> dict[str, Any]:
     patch = RmsNormPatch(target="Qwen3RMSNorm", op="rms_norm", scale=Scale.weight, kernel="torch")
     module = Qwen3RMSNorm(8)
     impl = registry.get("torch", "rms_norm").build(patch)
-    module.forward = MethodType(get_op("rms_norm").bind(module, patch, impl), module)  # type: ignore[attr-defined]
+    binding = Binding("norm", "rms_norm", patch, "torch")
+    module.forward = PatchedForward(get_op("rms_norm").bind(module, patch, impl), module, binding)  # as apply does
     x, w, eps = torch.randn(1, 8), module.weight, float(module.variance_epsilon)
     n = 1000  # short loops, many repeats: interleaving at a fine grain keeps load from skewing one side
     forward = module.forward

@@ -1,7 +1,8 @@
 """``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, demo, kernels, bench.
 
 Exit codes: 0 ok, 1 a check failed (invalid patchset, plan refused, verification
-failed), 2 usage error (bad arguments: unknown option, device or model type). With
+failed), 2 usage error (bad arguments: unknown option, device or model type, or a
+device this machine does not have). With
 ``--json`` a refusal is also printed to stdout as ``{"ok": false, "error": ..., "type": ...}``.
 """
 
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine.errors import PatchError
+from engine.errors import DeviceNotAvailable, InvalidArgument, PatchError
 
 __all__ = ["main"]
 
@@ -73,20 +74,9 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 def _tiny_model_for(patchset: Any, model_type: str | None, dtype: str) -> Any:
     import torch
 
-    from engine.tiny import build_tiny_model
+    from engine.tiny import build_tiny_for
 
-    tiny = patchset.tiny_model
-    mt = model_type or (tiny.model_type if tiny and tiny.model_type else patchset.model_types[0])
-    from transformers import CONFIG_MAPPING
-
-    if mt not in CONFIG_MAPPING:
-        import difflib
-
-        close = difflib.get_close_matches(mt, list(CONFIG_MAPPING.keys()), n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(f"unknown model type {mt!r} (not a transformers config model_type){hint}")
-    config = tiny.config if tiny else {}
-    return build_tiny_model(mt, config, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    return build_tiny_for(patchset, model_type, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -114,9 +104,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.loader import load_patchset
     from engine.report import from_files
 
+    from engine.devices import as_device, require_present
+
     ps = load_patchset(args.patchset)
-    model = _tiny_model_for(ps, args.model_type, args.dtype)
-    applied = apply(model, ps, device=args.device or "cpu")
+    device = as_device(args.device or "cpu")
+    require_present(device)  # before building anything: --device cuda on a CPU machine is a usage error
+    model = _tiny_model_for(ps, args.model_type, args.dtype).to(device.value)
+    applied = apply(model, ps, device=device)
     try:
         report = verify(model, raise_on_failure=False)
     finally:
@@ -212,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return int(args.func(args))
+    except (InvalidArgument, DeviceNotAvailable) as exc:  # the command line asked for something that is not there
+        _report_error(args, exc, "usage error")
+        return EXIT_USAGE
     except PatchError as exc:
         _report_error(args, exc, "error")
         return EXIT_FAILED

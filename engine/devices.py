@@ -12,9 +12,10 @@ from functools import lru_cache
 
 import torch
 
+from engine.errors import DeviceNotAvailable, InvalidArgument
 from engine.schema import Device
 
-__all__ = ["as_device", "current_device"]
+__all__ = ["as_device", "current_device", "is_present", "parameter_devices", "require_present", "resolve_device"]
 
 
 @lru_cache(maxsize=1)
@@ -51,4 +52,63 @@ def as_device(device: str | Device | torch.device | None) -> Device:
         return Device(str(device).split(":")[0])
     except ValueError:
         valid = ", ".join(d.value for d in Device)
-        raise ValueError(f"unknown device {device!r}; expected one of {valid}") from None
+        raise InvalidArgument(f"unknown device {device!r}; expected one of {valid}") from None
+
+
+def is_present(device: Device) -> bool:
+    """Whether this machine has a ``device`` to run on (the CPU always)."""
+    if device is Device.cpu or device is current_device():
+        return True
+    if device is Device.cuda:
+        return torch.cuda.is_available()
+    if device is Device.xpu:
+        return hasattr(torch, "xpu") and torch.xpu.is_available()
+    if device is Device.mps:
+        return torch.backends.mps.is_available()
+    npu = getattr(torch, "npu", None)  # registered by importing torch_npu (current_device() did, if it can)
+    try:
+        return bool(npu is not None and npu.is_available())
+    except Exception:  # a torch_npu without CANN
+        return False
+
+
+def parameter_devices(model: torch.nn.Module) -> list[str]:
+    """The device types the model's parameters and buffers are on, ``meta`` left out (offloaded weights)."""
+    found: dict[str, None] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            found[tensor.device.type] = None
+    return list(found)
+
+
+def resolve_device(model: torch.nn.Module, device: str | Device | torch.device | None) -> Device:
+    """The device to plan for: the one asked for, else where the model's parameters are, else the accelerator.
+
+    Why the parameters first: a model loaded on the CPU of a GPU machine runs its forward on
+    the CPU; kernels chosen for the accelerator would fail there (HF ``kernels`` infers the
+    device from the parameters too).
+    """
+    if device is not None:
+        return as_device(device)
+    where = parameter_devices(model)
+    if len(where) == 1:
+        try:
+            return Device(where[0])
+        except ValueError:  # a device type we plan no kernels for: the accelerator's list applies
+            pass
+    return current_device()
+
+
+def require_present(device: Device, model: torch.nn.Module | None = None) -> None:
+    """Raise :class:`DeviceNotAvailable` when this machine has no ``device``; say where the model is and what to do."""
+    if is_present(device):
+        return
+    where = parameter_devices(model) if model is not None else []
+    model_part = f"the model's parameters are on {' and '.join(where)}; " if where else ""
+    use = where[0] if len(where) == 1 else current_device().value
+    raise DeviceNotAvailable(
+        f"device {device.value!r} was requested, but this machine has no {device.value} device "
+        f"(current accelerator: {current_device().value}); {model_part}"
+        f"use device={use!r} (or leave device unset to use where the model is), or see the decisions for "
+        f"{device.value} without patching: engine.plan(model, patchset, device={device.value!r})"
+    )

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyPatched",
+    "BackwardUnsupported",
+    "DeviceNotAvailable",
     "DeviceUnsupported",
+    "InvalidArgument",
     "KernelNotFound",
     "MissingDependency",
     "ModelTypeMismatch",
+    "NotPatched",
     "PatchError",
     "PatchsetError",
     "SignatureMismatch",
@@ -74,6 +78,29 @@ class SignatureMismatch(PatchError, TypeError):
 
 class DeviceUnsupported(PatchError, RuntimeError):
     """The requested kernel cannot run on the device the plan is made for."""
+
+
+class DeviceNotAvailable(DeviceUnsupported):
+    """The device asked for does not exist on this machine, or is not where the model's parameters are.
+
+    A subclass of :class:`DeviceUnsupported`, so ``except DeviceUnsupported`` still catches it;
+    the CLI treats it as a usage error (exit 2): the command line asked for the wrong device.
+    """
+
+
+class BackwardUnsupported(PatchError, RuntimeError):
+    """A kernel without a backward was asked to compute gradients (a model patched for inference, now training).
+
+    Raised by the patched forward itself, before the kernel runs, so no wrong gradient is ever produced.
+    """
+
+
+class InvalidArgument(PatchError, ValueError):
+    """An argument of an engine function has a value it does not accept (a mode, a device, a model type)."""
+
+
+class NotPatched(PatchError, ValueError):
+    """An operation that needs a patched model (verify without a patchset) was given an unpatched one."""
 
 
 class MissingDependency(PatchError, ImportError):

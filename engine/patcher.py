@@ -1,27 +1,35 @@
 """Applying a plan to one model instance, all-or-nothing, and reverting it exactly.
 
-Forwards are replaced on the *instances* (``module.forward = MethodType(fn, module)``),
-never on the transformers class, so other models of the same class are untouched.
-Function patches go through :mod:`engine.routing`. Every change is recorded before the
-next one is made; if any step fails, the records made so far are undone in reverse and
-the model is exactly as it was.
+Forwards are replaced on the *instances* (``module.forward = PatchedForward(fn, module, ...)``,
+see :mod:`engine.bound_forward`), never on the transformers class, so other models of the same
+class are untouched. Function patches go through :mod:`engine.routing`. Every change is
+recorded before the next one is made; if any step fails, the records made so far are undone
+in reverse and the model is exactly as it was.
+
+Applying the patchset a model already has is never an error: with the same kernels it is a
+no-op; when the mode or device now needs other kernels (inference kernels without a
+backward, then ``model.train()``), the model is re-planned and re-patched. Another patchset
+is refused (:class:`AlreadyPatched`): revert first. A patched model pickles (``torch.save``,
+``copy.deepcopy``) and comes back patched.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import MethodType
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine import routing
+from engine.devices import require_present
 from engine.errors import AlreadyPatched
+from engine.bound_forward import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
 from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
 from engine.report import Report
@@ -33,28 +41,15 @@ __all__ = ["STATE_ATTR", "applied_report", "apply", "is_patched", "revert"]
 STATE_ATTR = "_patch_engine_state"
 
 
-class _Missing:
-    """Marks 'the instance had no forward attribute'; one object, also across deepcopy."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Missing:
-        return self
-
-    def __repr__(self) -> str:
-        return "<no instance forward>"
-
-
-_MISSING = _Missing()
-
-
 @dataclass
 class _ForwardRecord:
     """One instance forward replaced; undo puts back exactly what was there (or nothing)."""
 
     module: nn.Module
-    previous: Any  # the instance attribute 'forward' before, or _MISSING
+    previous: Any  # the instance attribute 'forward' before, or MISSING
 
     def undo(self) -> None:
-        if self.previous is _MISSING:
+        if self.previous is MISSING:
             self.module.__dict__.pop("forward", None)
         else:
             self.module.__dict__["forward"] = self.previous
@@ -78,13 +73,18 @@ def _release_routers(keys: list[tuple[str, str]]) -> None:
 
 @dataclass
 class AppliedState:
-    """What :func:`apply` did to a model; stored on the model so that revert and deepcopy work."""
+    """What :func:`apply` did to a model; stored on the model so that revert, deepcopy and pickle work.
 
-    fingerprint: str
+    ``patchset_key`` identifies the patchset's content (not the device or mode), so applying the
+    same patchset again is recognized whatever it was planned for.
+    """
+
+    patchset_key: str
     report: Report
     records: list[Any] = field(default_factory=list)
     finalizer: weakref.finalize | None = field(default=None, compare=False, repr=False)
     owner_id: int = 0
+    owner_ref: weakref.ref | None = field(default=None, compare=False, repr=False)
 
     def watch(self, owner: nn.Module) -> None:
         """Release this model's function routers if it is garbage-collected without a revert.
@@ -94,6 +94,7 @@ class AppliedState:
         """
         keys = [(r.namespace, r.function) for r in self.records if isinstance(r, _RouterRecord)]
         self.owner_id = id(owner)
+        self.owner_ref = weakref.ref(owner)
         if keys:
             self.finalizer = weakref.finalize(owner, _release_routers, keys)
 
@@ -108,11 +109,32 @@ class AppliedState:
         for rec in records:
             if isinstance(rec, _RouterRecord):
                 routing.acquire(rec.namespace, rec.function)
-        twin = AppliedState(self.fingerprint, self.report, records)
+        twin = AppliedState(self.patchset_key, self.report, records)
         owner = memo.get(self.owner_id)  # the copy of the model this state belongs to
         if isinstance(owner, nn.Module):
             twin.watch(owner)
         return twin
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Data only: the records (modules and what was there before), the report, the owner.
+        # The forwards themselves pickle as their bindings (engine.bound_forward.PatchedForward).
+        owner = self.owner_ref() if self.owner_ref is not None else None
+        return (_restore_state, (self.patchset_key, self.report, self.records, owner))
+
+
+def _restore_state(patchset_key: str, report: Report, records: list[Any], owner: nn.Module | None) -> AppliedState:
+    """Unpickling: take the routers this model uses again, and rebuild its forwards from their bindings."""
+    for rec in records:
+        if isinstance(rec, _RouterRecord):
+            importlib.import_module(rec.namespace)
+            routing.acquire(rec.namespace, rec.function)
+    state = AppliedState(patchset_key, report, records)
+    if owner is not None:
+        state.watch(owner)
+    for rec in records:  # every submodule is fully loaded by now (they are pickled before this state)
+        if isinstance(rec, _ForwardRecord) and "_parameters" in rec.module.__dict__:
+            rebind_pending(rec.module)
+    return state
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -124,8 +146,13 @@ def applied_report(model: nn.Module) -> Report | None:
     return state.report if state else None
 
 
-def _fingerprint(patchset: Patchset, device: Device, mode: Mode) -> str:
-    return json.dumps([patchset.model_dump(mode="json"), device.value, mode], sort_keys=True)
+def _patchset_key(patchset: Patchset) -> str:
+    return json.dumps(patchset.model_dump(mode="json"), sort_keys=True)
+
+
+def _kernels(decisions: tuple[Decision, ...]) -> list[tuple[str, str, str, str | None]]:
+    """What a plan installs, module by module: equal lists patch the model identically."""
+    return [(d.path, d.op, d.action, d.kernel) for d in decisions]
 
 
 def apply(
@@ -137,10 +164,13 @@ def apply(
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
 
-    All checks run first (see :func:`engine.plan`); the model changes only if every one
-    passes, and any failure while patching restores it. Applying the same patchset twice
-    patches once. Verification is not the patcher's job: :func:`engine.apply` (the facade,
-    :mod:`engine.api`) runs it after this when asked to.
+    All checks run first (see :func:`engine.plan`), and the device must exist on this machine
+    (:class:`DeviceNotAvailable` otherwise); the model changes only if every one passes, and
+    any failure while patching restores it. Applying the patchset the model already has is a
+    no-op when it chooses the same kernels, and re-patches it when the mode or device needs
+    other ones (e.g. after ``model.train()``, kernels with a backward); another patchset
+    raises :class:`AlreadyPatched`. Verification is not the patcher's job:
+    :func:`engine.apply` (the facade, :mod:`engine.api`) runs it after this when asked to.
 
     Example:
         >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
@@ -151,15 +181,26 @@ def apply(
     """
     model = unwrap(model)
     the_plan = plan(model, patchset, device=device, mode=mode)
-    fingerprint = _fingerprint(the_plan.patchset, the_plan.device, the_plan.mode)
+    require_present(the_plan.device, model)
+    key = _patchset_key(the_plan.patchset)
     state: AppliedState | None = model.__dict__.get(STATE_ATTR)
     if state is not None:
-        if state.fingerprint == fingerprint:
-            return state.report
-        raise AlreadyPatched(
-            f"{type(model).__name__} is already patched with {state.report.patchset!r}; "
-            "call engine.revert(model) before applying another patchset"
-        )
+        if state.patchset_key != key:
+            raise AlreadyPatched(
+                f"{type(model).__name__} is already patched with {state.report.patchset!r}, not "
+                f"{the_plan.patchset.name!r}; revert first (engine.revert(model)), then apply the other patchset"
+            )
+        if _kernels(state.report.decisions) == _kernels(the_plan.decisions):
+            report = state.report  # the same kernels: nothing to change; the report follows the new plan
+            report.device, report.mode, report.decisions = the_plan.device.value, the_plan.mode, the_plan.decisions
+        else:
+            report = _repatch(model, state, the_plan)
+    else:
+        report = _install(model, the_plan, key)
+    return report
+
+
+def _install(model: nn.Module, the_plan: Plan, key: str) -> Report:
     actions = _prepare(model, the_plan)  # builds every kernel (imports happen here), mutates nothing
     records: list[Any] = []
     try:
@@ -170,10 +211,41 @@ def apply(
             rec.undo()
         raise
     report = Report.from_plan(the_plan)
-    state = AppliedState(fingerprint, report, records)
+    state = AppliedState(key, report, records)
     state.watch(model)
     object.__setattr__(model, STATE_ATTR, state)
     return report
+
+
+def _repatch(model: nn.Module, old: AppliedState, the_plan: Plan) -> Report:
+    """Swap the kernels of a patched model for those of ``the_plan``, all-or-nothing.
+
+    The routers the model uses are held across the swap, so the old forwards (which hold
+    their router's context variable) still work if the new ones fail and are put back.
+    """
+    _prepare(model, the_plan)  # fails before anything changes if a kernel cannot be built
+    held = [(r.namespace, r.function) for r in old.records if isinstance(r, _RouterRecord)]
+    for namespace, function in held:
+        routing.acquire(namespace, function)
+    forwards = [r.module for r in old.records if isinstance(r, _ForwardRecord)]
+    installed = [(module, module.__dict__.get("forward", MISSING)) for module in forwards]
+    try:
+        revert(model)
+        try:
+            return _install(model, the_plan, old.patchset_key)
+        except BaseException:
+            for namespace, function in held:  # the old state's own uses, released by revert
+                routing.acquire(namespace, function)
+            for module, forward in installed:
+                if forward is MISSING:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.__dict__["forward"] = forward
+            old.watch(model)
+            object.__setattr__(model, STATE_ATTR, old)
+            raise
+    finally:
+        _release_routers(held)
 
 
 def revert(model: nn.Module) -> bool:
@@ -196,35 +268,32 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
     def impl_for(decision: Decision) -> Callable[..., Any]:
         key = (decision.patch_index, decision.provider.name)  # type: ignore[union-attr]
         if key not in impls:
-            provider = decision.provider
-            impl = provider.build(decision.patch)  # type: ignore[union-attr]
-            if not provider.compile_safe:  # type: ignore[union-attr]
-                # torch.compile of the model must not fail on a kernel dynamo cannot trace:
-                # the kernel runs eagerly, as a graph break (listed in Report.compile_disabled).
-                impl = torch.compiler.disable(impl, recursive=True)
-            impls[key] = impl
+            impls[key] = build_impl(decision.provider, decision.patch)  # type: ignore[arg-type]
         return impls[key]
 
     for decision in the_plan.patched:
         op = get_op(decision.op)
         impl = impl_for(decision)
+        provider = decision.provider
+        assert provider is not None
         if isinstance(op, ModuleOp):
             module = modules[decision.path]
-            forward = op.bind(module, decision.patch, impl)
-            steps.append(_set_forward_step(module, forward))
+            binding = Binding(decision.path, decision.op, decision.patch, provider.name)
+            forward = build_forward(module, binding, impl, provider)
+            steps.append(_set_forward_step(module, PatchedForward(forward, module, binding)))
         else:
             site = decision.site
             assert site is not None
             steps.append(_router_step(site.namespace, site.function))
             for caller in site.callers:
-                steps.append(_route_caller_step(modules[caller], site.namespace, site.function, impl))
+                steps.append(_route_caller_step(modules[caller], caller, decision, impl, provider))
     return steps
 
 
-def _set_forward_step(module: nn.Module, forward: Callable[..., Any]) -> Callable[[list[Any]], None]:
+def _set_forward_step(module: nn.Module, forward: PatchedForward) -> Callable[[list[Any]], None]:
     def step(records: list[Any]) -> None:
-        records.append(_ForwardRecord(module, module.__dict__.get("forward", _MISSING)))
-        module.forward = MethodType(forward, module)
+        records.append(_ForwardRecord(module, module.__dict__.get("forward", MISSING)))
+        module.forward = forward
 
     return step
 
@@ -238,32 +307,18 @@ def _router_step(namespace: str, function: str) -> Callable[[list[Any]], None]:
 
 
 def _route_caller_step(
-    module: nn.Module, namespace: str, function: str, impl: Callable[..., Any]
+    module: nn.Module, path: str, decision: Decision, impl: Callable[..., Any], provider: Any
 ) -> Callable[[list[Any]], None]:
+    site = decision.site
+    assert site is not None
+
     def step(records: list[Any]) -> None:
-        router = routing.router_for(namespace, function)
-        assert router is not None, "router step runs first"
-        previous = module.__dict__.get("forward", _MISSING)
-        inner = _unbound_forward(module, previous)
-        active = router.active
-
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            token = active.set(impl)
-            try:
-                return inner(self, *args, **kwargs)
-            finally:
-                active.reset(token)
-
+        previous = module.__dict__.get("forward", MISSING)
+        binding = Binding(
+            path, decision.op, decision.patch, provider.name, route=(site.namespace, site.function), previous=previous
+        )
+        forward = build_forward(module, binding, impl, provider)  # the router exists: its step ran first
         records.append(_ForwardRecord(module, previous))
-        module.forward = MethodType(forward, module)
+        module.forward = PatchedForward(forward, module, binding)
 
     return step
-
-
-def _unbound_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
-    """The forward to call as ``f(self, ...)``, without holding a bound method (deepcopy-safe)."""
-    if previous is _MISSING:
-        return type(module).forward
-    if isinstance(previous, MethodType) and previous.__self__ is module:
-        return previous.__func__
-    return lambda self, *args, **kwargs: previous(*args, **kwargs)

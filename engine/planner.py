@@ -18,9 +18,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from engine.devices import as_device
+from engine.devices import resolve_device
 from engine.errors import (
     DeviceUnsupported,
+    InvalidArgument,
     KernelNotFound,
     MissingDependency,
     ModelTypeMismatch,
@@ -111,7 +112,9 @@ def plan(
         model: a transformers model (anything with ``config.model_type`` and submodules), or
             a peft ``PeftModel`` around one (planned as the model inside).
         patchset: a Patchset, a bundled name (``"qwen3"``), a path, or a dict.
-        device: the device type to plan for; default: the current accelerator.
+        device: the device type to plan for; default: where the model's parameters are
+            (the current accelerator if they are on several devices or all offloaded). A plan
+            for a device this machine lacks is a dry run; :func:`engine.apply` refuses it.
         mode: ``"training"`` (kernels need a backward) or ``"inference"``; default:
             ``"training"`` if ``model.training`` else ``"inference"``.
 
@@ -125,8 +128,8 @@ def plan(
     model = unwrap(model)  # a PeftModel is planned as the transformers model inside it
     if not isinstance(patchset, Patchset):
         patchset = load_patchset(patchset)
-    dev = as_device(device)
-    run_mode: Mode = mode or ("training" if model.training else "inference")
+    dev = resolve_device(model, device)
+    run_mode: Mode = check_mode(mode) or ("training" if model.training else "inference")
     model_type = _check_model_type(model, patchset)
     _check_versions(patchset)
     decisions: list[Decision] = []
@@ -142,6 +145,26 @@ def plan(
         except PatchError as exc:
             raise _located(exc, patchset, index) from None
     return Plan(patchset=patchset, device=dev, mode=run_mode, model_type=model_type, decisions=tuple(decisions))
+
+
+MODES: tuple[str, ...] = ("training", "inference")
+_MODE_HINTS = {"train": "training", "eval": "inference", "evaluation": "inference", "infer": "inference"}
+
+
+def check_mode(mode: Any) -> Mode | None:
+    """``mode`` itself if it is one of :data:`MODES` (or None); else :class:`InvalidArgument` naming the fix.
+
+    Why: a typo (``mode="train"``) compared unequal to ``"training"`` and was silently planned
+    as inference, with kernels that have no backward.
+    """
+    if mode is None or mode in MODES:
+        return mode
+    guess = _MODE_HINTS.get(str(mode).lower()) or next(iter(difflib.get_close_matches(str(mode), MODES, n=1)), None)
+    hint = f"; did you mean mode={guess!r}?" if guess else ""
+    raise InvalidArgument(
+        f"mode={mode!r} is not a mode; use mode='training' (kernels need a backward) or mode='inference', "
+        f"or leave it unset to follow model.training{hint}"
+    )
 
 
 def _check_model_type(model: nn.Module, patchset: Patchset) -> str:

@@ -56,7 +56,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("kernels", ("engine.kernels", "engine.kernels.*"), False,
           "providers: registry, torch references as the `torch` provider, vendor kernels"),
     Layer("planning", ("engine.planner", "engine.report"), False, "decisions, and how they are shown"),
-    Layer("patching", ("engine.patcher",), False, "apply a plan to one model, all-or-nothing; revert"),
+    Layer("patching", ("engine.patcher", "engine.bound_forward"), False,
+          "apply a plan to one model, all-or-nothing; revert; the installed (picklable) forwards"),
     Layer("verification", ("engine.verification", "engine.verification.*"), False,
           "patched vs original numbers: probes, comparisons, report"),
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
@@ -84,7 +85,7 @@ RULES: tuple[Rule, ...] = (
          "an op defines semantics; engine/kernels/torch_reference.py makes its reference a provider"),
     Rule(("engine.kernels", "engine.kernels.*"), ("engine.planner", "engine.patcher", "engine.verification*"),
          "providers know nothing of plans, patching or verification"),
-    Rule(("engine.patcher",), ("engine.verification*", "engine.api"),
+    Rule(("engine.patcher", "engine.bound_forward"), ("engine.verification*", "engine.api"),
          "the patcher knows nothing of verification: engine.api orchestrates plan, patch, verify"),
     Rule(("engine*",), ("engine.cli",), "nothing in the core imports the command line (only engine.__main__)"),
 )

@@ -196,9 +196,10 @@ def test_fla_recurrent_matches_torch_under_triton_interpreter() -> None:
 def test_torch_delta_rule_refuses_packed_sequences() -> None:
     patch = LinearAttentionPatch(op="linear_attention", function="f", form="chunk")
     q, k, v, decay, beta, _ = _delta_rule_inputs(0, 5)
-    with pytest.raises(ValueError, match="cannot keep packed sequences"):
+    with pytest.raises(ValueError, match="cannot keep packed sequences") as info:
         registry.get("torch", "linear_attention").build(patch)(q, k, v, g=decay, beta=beta,
                                                                  cu_seqlens=torch.tensor([0, 2, 5]))
+    assert isinstance(info.value, engine.PatchError)  # ours (InvalidArgument), and a ValueError
 
 
 @pytest.mark.parametrize("rule", ["gated_delta_rule", "kimi_delta_attention"])

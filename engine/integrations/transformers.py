@@ -14,7 +14,9 @@ wraps the model (accelerate's FSDP/DDP, ``torch_compile=True``), so the kernels 
 place before sharding and before the first trace, which is the order that works (see
 docs/training.md). ``on_train_begin`` applies again as a backstop (for a callback added
 after construction, or a ``model_init`` that builds a fresh model in ``train()``);
-applying the same patchset twice patches once. The plan is always made for training
+applying the same patchset twice patches once. On a model the user already patched with the
+same patchset (in eval mode, say) the callback re-plans it for training where the kernels
+must change; a model patched with another patchset is refused (``AlreadyPatched``). The plan is always made for training
 (kernels need a backward), on the device ``TrainingArguments`` trains on, whatever mode
 the model happens to be in when the trainer is built (``from_pretrained`` returns it in
 eval mode).

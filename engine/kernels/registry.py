@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import kernel_names as _names
-from engine.errors import KernelNotFound, MissingDependency
+from engine.errors import InvalidArgument, KernelNotFound, MissingDependency
 from engine.schema import Device
 
 __all__ = [
@@ -94,6 +94,10 @@ class KernelProvider:
     description: str = ""
     supports: Callable[[Any], str | None] | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Providers are registry singletons whose `build` may be a lambda: pickle the name.
+        return (get, (self.name, self.op))
+
     def check_dependencies(self) -> None:
         for dep in self.requires:
             dep.check()
@@ -109,7 +113,10 @@ def register(provider: KernelProvider) -> KernelProvider:
     """Add a provider; registering the same (name, op) twice is refused."""
     key = (provider.name, provider.op)
     if key in _PROVIDERS:
-        raise ValueError(f"kernel {provider.name!r} for op {provider.op!r} is already registered")
+        raise InvalidArgument(
+            f"kernel {provider.name!r} for op {provider.op!r} is already registered; "
+            "pick another name, or unregister(name, op) the existing one first"
+        )
     _PROVIDERS[key] = provider
     _names.add(provider.name)
     return provider

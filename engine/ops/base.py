@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from engine.errors import SignatureMismatch
+from engine.errors import InvalidArgument, SignatureMismatch
 
 __all__ = ["FunctionOp", "ModuleOp", "Op", "all_ops", "forward_parameters", "get_op", "register_op"]
 
@@ -89,7 +89,7 @@ _OPS: dict[str, Op] = {}
 def register_op(op_cls: type[Op]) -> type[Op]:
     """Class decorator: register one instance of the op; duplicates are refused."""
     if op_cls.name in _OPS:
-        raise ValueError(f"op {op_cls.name!r} is already registered")
+        raise InvalidArgument(f"op {op_cls.name!r} is already registered; give the new op another name")
     _OPS[op_cls.name] = op_cls()
     return op_cls
 
@@ -100,7 +100,7 @@ def get_op(name: str) -> Op:
     try:
         return _OPS[name]
     except KeyError:
-        raise LookupError(f"no op {name!r}; ops: {', '.join(sorted(_OPS))}") from None
+        raise InvalidArgument(f"no op {name!r}; ops: {', '.join(sorted(_OPS))}") from None
 
 
 def all_ops() -> dict[str, Op]:

@@ -190,16 +190,27 @@ class GatedRmsNormOp(ModuleOp):
         _group_size(module, patch, weight.shape[-1])
 
     def bind(self, module: nn.Module, patch: GatedRmsNormPatch, impl: Callable[..., Any]) -> Callable[..., Any]:
-        eps = float(getattr(module, patch.eps_attr))
-        weight_attr = patch.weight_attr
-        group_size = _group_size(module, patch, getattr(module, weight_attr).shape[-1])
+        # eps, the weight and a group size held in an attribute are read on every call (never
+        # captured), so changing them on the module after apply changes the patched forward too.
+        eps_attr, weight_attr = patch.eps_attr, patch.weight_attr
         missing = gate_missing_message(type(module).__name__)  # once, not on the hot path
         required = patch.gate_required
+        if patch.group_size_attr is None and patch.num_groups_attr is None:
+            fixed = _group_size(module, patch, getattr(module, weight_attr).shape[-1])  # a constant of the patch
 
-        def forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-            if gate is None and required:
-                raise ValueError(missing)
-            return impl(hidden_states, gate, getattr(self, weight_attr), eps, group_size)
+            def forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+                if gate is None and required:
+                    raise ValueError(missing)
+                return impl(hidden_states, gate, getattr(self, weight_attr), getattr(self, eps_attr), fixed)
+
+        else:
+
+            def forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+                if gate is None and required:
+                    raise ValueError(missing)
+                weight = getattr(self, weight_attr)
+                group_size = _group_size(self, patch, weight.shape[-1])
+                return impl(hidden_states, gate, weight, getattr(self, eps_attr), group_size)
 
         return forward
 

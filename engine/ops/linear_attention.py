@@ -26,7 +26,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from engine.errors import SignatureMismatch
+from engine.errors import InvalidArgument, SignatureMismatch
 from engine.hub_functions import torch_body
 from engine.ops.base import FunctionOp, register_op
 from engine.schema import DeltaRule, DeltaRuleForm, LinearAttentionPatch
@@ -60,7 +60,7 @@ def _build_torch(patch: LinearAttentionPatch) -> Callable[..., Any]:
     @functools.wraps(body)
     def gated_delta_rule(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(
+            raise InvalidArgument(  # ours, and a ValueError as before
                 "the torch gated delta rule cannot keep packed sequences (cu_seqlens) apart; "
                 'use the fla kernel on cuda or npu (pip install "patch-engine[fla]")'
             )

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.errors import VerificationFailed
+from engine.errors import NotPatched, VerificationFailed
 from engine.patcher import STATE_ATTR, apply, revert
 from engine.verification.compare import DTYPE_NAMES
 from engine.verification.models import compare_models
@@ -48,7 +48,11 @@ def verify(
             revert(twin)  # releases its function routers: the copy must not keep them installed
     state = model.__dict__.get(STATE_ATTR)
     if state is None:
-        raise ValueError("the model is not patched; pass a patchset or call engine.apply first")
+        raise NotPatched(
+            f"{type(model).__name__} is not patched, so there is nothing to verify; call "
+            "engine.apply(model, patchset) first, or pass the patchset: engine.verify(model, 'qwen3') "
+            "verifies a patched copy and leaves the model as it is"
+        )
     decisions = [d for d in state.report.decisions if d.action == "patch"]
     batch = batch or probe_batch(model)
     low = low_precision_dtype(model)
