@@ -139,15 +139,16 @@ def _sum_like_index_add(contributions: torch.Tensor, slot_experts: torch.Tensor)
     round after each. In fp32 this is the plain sequential sum.
     """
     dtype = contributions.dtype
-    if dtype == torch.float32 or contributions.shape[1] == 1:
-        result = contributions[:, 0]
-        for slot in range(1, contributions.shape[1]):
-            result = result + contributions[:, slot]
+    slots = contributions.unbind(1)  # one backward allocation, not one zero [T, K, H] per slot
+    if dtype == torch.float32 or len(slots) == 1:
+        result = slots[0]
+        for contribution in slots[1:]:
+            result = result + contribution
         return result
-    acc = contributions[:, 0].float()
-    for slot in range(1, contributions.shape[1]):
+    acc = slots[0].float()
+    for slot in range(1, len(slots)):
         same = (slot_experts[:, slot] == slot_experts[:, slot - 1]).unsqueeze(-1)
-        acc = torch.where(same, acc, acc.to(dtype).float()) + contributions[:, slot].float()
+        acc = torch.where(same, acc, acc.to(dtype).float()) + slots[slot].float()
     return acc.to(dtype)
 
 
