@@ -127,7 +127,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_scaffold(args: argparse.Namespace) -> int:
-    from engine.scaffold import scaffold
+    from engine.scaffolding import scaffold
 
     config = json.loads(args.config) if args.config else None
     text = scaffold(args.model_type, config=config).to_yaml()

@@ -52,6 +52,10 @@ SIZE_RULES: tuple[tuple[str, Any], ...] = (
     (r"^hidden_size_", 16),                               # hidden_size_per_layer_input, ...
 )
 
+#: Keys whose ``None`` default is a size the model needs anyway (hunyuan's head_dim, dots1's
+#: expert counts): the size rule applies to them too. Other ``None`` keys mean "off" and stay.
+_NONE_MEANS_UNSET = re.compile(r"head_dim$|experts$|experts_per_tok$")
+
 #: List-valued keys: a new value given the number of layers.
 LIST_RULES: dict[str, Callable[[list[Any], int], list[Any]]] = {
     "mlp_only_layers": lambda old, n: [0],                # one dense layer next to the sparse one
@@ -88,8 +92,6 @@ def derive_tiny_config(model_type: str) -> dict[str, Any]:
             overrides["num_hidden_layers"] = layers
     if defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
         overrides["num_key_value_heads"] = BASE_KWARGS["num_attention_heads"]  # keep MHA (MLA needs it)
-    if "head_dim" in defaults and defaults["head_dim"] is None:
-        overrides["head_dim"] = 16  # a None the model does not derive itself (hunyuan)
     vocab = BASE_KWARGS["vocab_size"]
     next_id = iter(range(vocab))
     for key, value in defaults.items():
@@ -102,7 +104,7 @@ def derive_tiny_config(model_type: str) -> dict[str, Any]:
             if any(isinstance(i, int) and i >= vocab for i in ids):
                 small = [next(next_id) for _ in ids]
                 overrides[key] = small if isinstance(value, list) else small[0]
-        elif isinstance(value, int):
+        elif isinstance(value, int) or (value is None and _NONE_MEANS_UNSET.search(key)):
             for pattern, new in SIZE_RULES:
                 if re.search(pattern, key):
                     target = new(key, value) if callable(new) else new

@@ -17,7 +17,7 @@ import yaml
 import engine
 from engine.cli import main
 from engine.loader import bundled_names, load_patchset
-from engine.scaffold import scaffold
+from engine.scaffolding import scaffold
 from engine.tiny import build_tiny_model
 from engine.tiny_config import derive_tiny_config
 

@@ -93,7 +93,7 @@ class ModuleOp(Op):
     def candidates(self, module: nn.Module) -> Iterator[Any]:
         """Every declaration of this op that could replace ``module``'s forward (default: none).
 
-        Why: the scaffold (:mod:`engine.scaffold`) measures each one against the module's
+        Why: the scaffold (:mod:`engine.scaffolding`) measures each one against the module's
         own forward, in fp32 and bf16, and keeps the one that is exact. Yield every
         setting a reader could not tell apart by looking (scale, cast order, eps attribute,
         activation, ...); cheap structural filters belong here, :meth:`check_target` runs

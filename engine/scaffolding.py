@@ -92,7 +92,7 @@ class Scaffold:
         return [f.chosen.patch for f in self.findings if f.chosen is not None]
 
     def to_yaml(self) -> str:
-        from engine.scaffold_yaml import render
+        from engine.scaffolding_yaml import render
 
         return render(self)
 
@@ -133,7 +133,9 @@ def scaffold(
         model = copy.deepcopy(model_or_type).float()
         model_type = str(model.config.model_type)
         tiny = {**derive_tiny_config(model_type), **(config or {})}
-    model.eval()
+    # Training mode, as fine-tuning runs it and as verification checks it: a forward that
+    # applies dropout (seed_oss's MLP) is then not reproducible, so nothing is declared for it.
+    model.train()
     modules, functions = _capture(model)
     findings = [*_module_findings(model, _Originals(modules)), *_function_findings(functions)]
     return Scaffold(model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings)
@@ -238,6 +240,13 @@ class _Originals:
     def __contains__(self, path: str) -> bool:
         return path in self.captured
 
+    def is_random(self, path: str, module: nn.Module) -> bool:
+        """Whether the module's forward gives another result on the same input (dropout in training)."""
+        clone, args, kwargs, expected = self.get(path, module, torch.float32)
+        with torch.no_grad():
+            again = type(clone).forward(clone, *args, **kwargs)
+        return _error(again, expected) != 0.0
+
     def get(self, path: str, module: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, Any, Any, Any]:
         key = (path, dtype)
         if key not in self._cache:
@@ -270,6 +279,8 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
                 finding.refused.append((op.name, min((m.problem or "" for m in mine), key=len)))
             else:
                 finding.measurements.extend(m for m in mine if m.problem is None or m.errors)
+        if finding.measurements and not finding.exact and called and originals.is_random(*called[0]):
+            finding.note = "its own forward is random in training mode (dropout?), so no declaration can match"
         if finding.measurements or finding.refused or finding.opt_in or MODULE_KINDS.search(cls.__name__):
             if cls.__module__.startswith("transformers."):
                 yield finding

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from engine.ops.base import get_op
-from engine.scaffold import Finding, Measurement, Scaffold
+from engine.scaffolding import Finding, Measurement, Scaffold
 
 __all__ = ["render", "settings_text"]
 
