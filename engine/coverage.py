@@ -93,7 +93,7 @@ def _verify(patchset: str) -> tuple[bool, str]:
     from engine.loader import load_patchset
     from engine.patcher import apply, revert
     from engine.tiny import build_tiny_model
-    from engine.verify import verify
+    from engine.verification.runner import verify
 
     ps = load_patchset(patchset)
     tiny = ps.tiny_model

@@ -29,8 +29,8 @@ from torch import nn
 from engine import routing
 from engine.errors import PatchError
 from engine.hub_functions import torch_body, torch_path
-from engine.ops.base import FunctionOp, ModuleOp, Op, all_ops
-from engine.verify import compare
+from engine.ops.base import FunctionOp, ModuleOp, all_ops
+from engine.verification.compare import compare
 
 __all__ = ["Finding", "Measurement", "Scaffold", "scaffold"]
 
@@ -141,16 +141,6 @@ def scaffold(
     return Scaffold(model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings)
 
 
-def _reference(op: Op, patch: Any) -> Callable[..., Any]:
-    """The op's ground truth for ``patch`` (``op.reference`` once ops own it, else the torch kernel)."""
-    reference = getattr(op, "reference", None)
-    if callable(reference):
-        return reference(patch)
-    from engine.kernels import registry
-
-    return registry.get("torch", op.name).build(patch)
-
-
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to(dtype) if value.is_floating_point() else value
@@ -206,7 +196,7 @@ def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], An
 
         router.observers.append(observe)
         routers.append((router, observe, key))
-    from engine.verify import probe_batch
+    from engine.verification.probes import probe_batch
 
     ids = probe_batch(model, seq=16)["input_ids"]
     try:
@@ -312,7 +302,7 @@ def _measure_module(
     if not called:
         result.problem = "never called in the probe forward"
         return result
-    reference = _reference(op, patch)
+    reference = op.reference(patch)
     for dtype in DTYPES:
         worst = 0.0
         for path, module in called:
@@ -359,7 +349,7 @@ def _measure_function(op: FunctionOp, patch: Any, called: list[tuple[Any, Any]])
     if not called:
         result.problem = "never called in the probe forward or a decode step"
         return result
-    reference = _reference(op, patch)
+    reference = op.reference(patch)
     for dtype in DTYPES:
         worst = 0.0
         for function, (args, kwargs) in called:

@@ -9,12 +9,14 @@ op fits but changes the model's contract.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from engine.ops.base import get_op
-from engine.scaffolding import Finding, Measurement, Scaffold
+
+if TYPE_CHECKING:  # the data classes; scaffolding imports this module to render them
+    from engine.scaffolding import Finding, Measurement, Scaffold
 
 __all__ = ["render", "settings_text"]
 
