@@ -80,26 +80,38 @@ def parameter_share(model: nn.Module, patchset: str) -> tuple[float, str]:
 
 
 def _default_model(model_type: str) -> nn.Module:
-    """The type's default (full-size) causal LM on the meta device: sizes without memory."""
+    """The type's default (full-size) causal LM on the meta device: sizes without memory.
+
+    A default ``head_dim`` of ``None`` that the model does not derive itself (hunyuan,
+    ministral) is set to ``hidden_size // num_attention_heads``, what such checkpoints have.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(model_type)
+    if getattr(cfg, "head_dim", 0) is None and getattr(cfg, "num_attention_heads", None):
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_config(cfg)
 
 
-def _verify(patchset: str) -> tuple[bool, str]:
+def _tiny_model(patchset: str) -> nn.Module:
     from engine.loader import load_patchset
-    from engine.patcher import apply, revert
     from engine.tiny import build_tiny_model
-    from engine.verification.runner import verify
 
     ps = load_patchset(patchset)
     tiny = ps.tiny_model
     model_type = (tiny.model_type if tiny and tiny.model_type else None) or ps.model_types[0]
-    model = build_tiny_model(model_type, tiny.config if tiny else {})
-    apply(model, ps, device="cpu")
+    return build_tiny_model(model_type, tiny.config if tiny else {})
+
+
+def _verify(patchset: str) -> tuple[bool, str]:
+    """What ``patch-engine verify NAME`` says: the tiny model of the family, patched, verified."""
+    from engine.patcher import apply, revert
+    from engine.verification.runner import verify
+
+    model = _tiny_model(patchset)
+    apply(model, patchset, device="cpu")
     try:
         report = verify(model, raise_on_failure=False)
     finally:
@@ -109,13 +121,14 @@ def _verify(patchset: str) -> tuple[bool, str]:
 
 
 def coverage_rows(model_types: Iterable[str] | None = None, *, verify: bool = True) -> list[CoverageRow]:
-    """One row per model type (default: every ``CONFIG_MAPPING`` key of the installed transformers)."""
-    from transformers import CONFIG_MAPPING
+    """One row per model type (default: every model type the installed transformers defines)."""
+    # the types transformers itself defines: a package that registers its own (fla, at import) adds none
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     by_type = _bundled_by_type()
     verified: dict[str, tuple[bool, str]] = {}
     rows = []
-    for model_type in sorted(model_types or CONFIG_MAPPING.keys()):
+    for model_type in sorted(model_types or CONFIG_MAPPING_NAMES):
         row = CoverageRow(model_type, by_type.get(model_type, []))
         rows.append(row)
         if not row.patchsets:
@@ -130,8 +143,10 @@ def coverage_rows(model_types: Iterable[str] | None = None, *, verify: bool = Tr
             row.verified, row.note = verified[primary]
         try:
             row.share, row.patched = parameter_share(_default_model(model_type), primary)
-        except Exception as exc:  # noqa: BLE001
-            row.note = (row.note + "; " if row.note else "") + f"share not measured: {type(exc).__name__}"
+        except Exception as exc:  # noqa: BLE001  (a default config that does not build: the tiny model's share)
+            row.share, row.patched = parameter_share(_tiny_model(primary), primary)
+            why = f"the default config does not build ({type(exc).__name__})"
+            row.note = (row.note + "; " if row.note else "") + f"share on the tiny model: {why}"
     return rows
 
 
@@ -162,7 +177,10 @@ def render_markdown(rows: list[CoverageRow]) -> str:
         + (f"**{len(passing)}** of the {len(ran)} verified pass `patch-engine verify`." if ran else "verify not run."),
         f"- Liger-Kernel 0.8.5 patches {len(LIGER_MODEL_TYPES)} model types; {len(liger_covered)} of them have a "
         f"bundled patchset here: {', '.join(liger_covered) or '-'}.",
-        f"- Median share of parameters under patched modules (covered types): {_percent(median)}.",
+        f"- Share of parameters under patched modules (covered types): median {_percent(median)}; "
+        f"{sum(1 for x in shares if x >= 0.5)} of {len(shares)} patch more than half of the model (their MLPs); "
+        "the others patch norms (and shared or dense-layer MLPs) only: their routed experts, GeGLU or "
+        "fused gate_up MLPs wait for ops that compute them.",
         "",
         "*share*: parameters under patched modules over all parameters, on the type's default (full-size) "
         "config built on the meta device. A norms-only patchset patches well under 1%; one that patches "

@@ -122,9 +122,10 @@ def scaffold(
     if isinstance(model_or_type, str):
         model_type = model_or_type
         tiny = {**derive_tiny_config(model_type), **(config or {})}
+        _require_causal_lm(model_type)
         try:
             model = build_tiny_model(model_type, tiny, seed=seed)
-        except (ValueError, TypeError, RuntimeError, KeyError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001  (any config or build failure: say which keys to pass)
             raise ValueError(
                 f"could not build a tiny {model_type} model from the derived config {tiny}: {exc}. "
                 "Pass the missing keys: engine.scaffold(model_type, config={...})"
@@ -139,6 +140,18 @@ def scaffold(
     modules, functions = _capture(model)
     findings = [*_module_findings(model, _Originals(modules)), *_function_findings(functions)]
     return Scaffold(model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings)
+
+
+def _require_causal_lm(model_type: str) -> None:
+    """Refuse a type ``AutoModelForCausalLM`` cannot build, saying what to do instead."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"model type {model_type!r} has no causal-LM class in transformers (AutoModelForCausalLM does not "
+            "map it: a text config of a composite model, an encoder, ...); build a small model of it yourself "
+            "and pass it: engine.scaffold(model)"
+        )
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:

@@ -90,7 +90,7 @@ def derive_tiny_config(model_type: str) -> dict[str, Any]:
         overrides["layer_types"] = [*kinds, *kinds][:layers] if len(kinds) < layers else kinds
         if layers != BASE_KWARGS["num_hidden_layers"]:
             overrides["num_hidden_layers"] = layers
-    if defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
+    if isinstance(defaults.get("num_key_value_heads"), int) and defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
         overrides["num_key_value_heads"] = BASE_KWARGS["num_attention_heads"]  # keep MHA (MLA needs it)
     vocab = BASE_KWARGS["vocab_size"]
     next_id = iter(range(vocab))

@@ -42,6 +42,7 @@ def test_share_counts_parameters_under_patched_modules_once() -> None:
 def test_markdown_has_a_headline_and_one_row_per_type(rows) -> None:
     text = render_markdown(list(rows.values()))
     assert "**2** of 3 model types have a bundled patchset; **2** of the 2 verified pass" in text
+    assert "1 of 2 patch more than half of the model" in text
     assert f"Liger-Kernel 0.8.5 patches {len(LIGER_MODEL_TYPES)} model types" in text
     assert "| qwen3 | qwen3, qwen3_flce | yes |" in text
     assert "| gpt2 | - | - | - | - |  |  |" in text
