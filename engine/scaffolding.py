@@ -138,7 +138,8 @@ def scaffold(
     # applies dropout (seed_oss's MLP) is then not reproducible, so nothing is declared for it.
     model.train()
     modules, functions = _capture(model)
-    findings = [*_module_findings(model, _Originals(modules)), *_function_findings(functions)]
+    with torch_path(model):  # a module's own forward may call functions bound to a package (fla on a CPU)
+        findings = [*_module_findings(model, _Originals(modules)), *_function_findings(functions)]
     return Scaffold(model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings)
 
 
@@ -278,13 +279,16 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
                 _check_opt_in(op, candidates, members, finding)
                 continue
             mine = [_measure_module(op, patch, members, called, originals) for patch in candidates]
-            if all(m.problem is not None for m in mine):
-                finding.refused.append((op.name, min((m.problem or "" for m in mine), key=len)))
+            # a declaration that cannot run, or returns another shape or dtype, does not apply
+            applicable = [m for m in mine if m.problem is None and all(e < float("inf") for e in m.errors.values())]
+            if applicable:
+                finding.measurements.extend(applicable)
             else:
-                finding.measurements.extend(m for m in mine if m.problem is None or m.errors)
+                finding.refused.append((op.name, min((m.problem or "output shape or dtype differs" for m in mine), key=len)))
         if finding.measurements and not finding.exact and called and originals.is_random(*called[0]):
             finding.note = "its own forward is random in training mode (dropout?), so no declaration can match"
-        if finding.measurements or finding.refused or finding.opt_in or MODULE_KINDS.search(cls.__name__):
+        # refusals alone are worth a line only for what looks like a norm, MLP, experts or LM head
+        if finding.measurements or finding.opt_in or MODULE_KINDS.search(cls.__name__):
             if cls.__module__.startswith("transformers."):
                 yield finding
 
