@@ -131,7 +131,9 @@ def scaffold(
                 "Pass the missing keys: engine.scaffold(model_type, config={...})"
             ) from exc
     else:
-        model = copy.deepcopy(model_or_type).float()
+        from engine.wrappers import unwrap
+
+        model = copy.deepcopy(unwrap(model_or_type)).float()  # a PeftModel: the transformers model inside
         model_type = str(model.config.model_type)
         tiny = {**derive_tiny_config(model_type), **(config or {})}
     # Training mode, as fine-tuning runs it and as verification checks it: a forward that
