@@ -253,14 +253,19 @@ class _Originals:
             again = type(clone).forward(clone, *args, **kwargs)
         return _error(again, expected) != 0.0
 
-    def get(self, path: str, module: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, Any, Any, Any]:
-        key = (path, dtype)
+    def get(
+        self, path: str, module: nn.Module, dtype: torch.dtype, op: ModuleOp | None = None
+    ) -> tuple[nn.Module, Any, Any, Any]:
+        """The copy, inputs and original output; ``op`` names the forward path it is judged against
+        (:meth:`ModuleOp.ground_truth`: experts modules dispatch on the config)."""
+        truth = op.ground_truth(module) if op is not None else type(module).forward
+        key = (path, dtype, truth)
         if key not in self._cache:
             args, kwargs = self.captured[path]
             clone = copy.deepcopy(module).to(dtype)
             args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
             with torch.no_grad():
-                expected = type(clone).forward(clone, *args, **kwargs)
+                expected = truth(clone, *args, **kwargs)
             self._cache[key] = (clone, args, kwargs, expected)
         return self._cache[key]
 
@@ -326,7 +331,7 @@ def _measure_module(
         worst = 0.0
         for path, module in called:
             try:
-                clone, args, kwargs, expected = originals.get(path, module, dtype)
+                clone, args, kwargs, expected = originals.get(path, module, dtype, op)
                 with torch.no_grad():
                     got = op.bind(clone, patch, reference)(clone, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001  (a declaration that cannot run is no match)

@@ -65,7 +65,7 @@ def _patch_comment(f: Finding, chosen: Measurement) -> str:
     head = f"# {_where(f)}: " + ", ".join(f"{dt} exact" for dt in chosen.errors)
     others = sorted((m for m in f.measurements if m is not chosen), key=_worst)
     if not others:
-        return head + "; the only declaration any op offers"
+        return head + "; the only declaration the ops admit"
     parts = []
     for m in others[:_SHOWN_ALTERNATIVES]:
         label = settings_text(m.patch, _differs(m, chosen))
