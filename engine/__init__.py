@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from engine.loader import load_patchset
     from engine.planner import Plan
     from engine.report import Report
+    from engine.scaffolding import scaffold
     from engine.schema import Patchset
     from engine.verification import VerifyReport
 
@@ -58,6 +59,7 @@ _LAZY: dict[str, str] = {
     "Report": "engine.report",
     "VerifyReport": "engine.verification",
     "torch_path": "engine.hub_functions",
+    "scaffold": "engine.scaffolding",
 }
 
 __all__ = [
@@ -85,6 +87,7 @@ __all__ = [
     "load_patchset",
     "plan",
     "revert",
+    "scaffold",
     "torch_path",
     "verify",
 ]

@@ -1,4 +1,4 @@
-"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, demo, kernels, bench.
+"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, scaffold, coverage, demo, kernels, bench.
 
 Exit codes: 0 ok, 1 a check failed (invalid patchset, plan refused, verification
 failed), 2 usage error (bad arguments: unknown option, device or model type, or a
@@ -126,6 +126,36 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.passed else EXIT_FAILED
 
 
+def _cmd_scaffold(args: argparse.Namespace) -> int:
+    from engine.scaffolding import scaffold
+
+    config = json.loads(args.config) if args.config else None
+    text = scaffold(args.model_type, config=config).to_yaml()
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _cmd_coverage(args: argparse.Namespace) -> int:
+    from engine.coverage import coverage_rows, render_markdown
+
+    rows = coverage_rows(args.model_types or None, verify=not args.no_verify)
+    text = render_markdown(rows)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK if all(r.verified is not False for r in rows) else EXIT_FAILED
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from engine.demo import run_demo
 
@@ -180,6 +210,18 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the tiny model")
             p.add_argument("--detail", action="store_true", help="also one row per check")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("scaffold", help="measure every op's declarations on a tiny model of a type; print a patchset")
+    p.add_argument("model_type", help="a transformers model_type, e.g. llama")
+    p.add_argument("--out", help="write the patchset here (default: stdout)")
+    p.add_argument("--config", help='JSON of tiny-config keys to override, e.g. \'{"head_dim": 16}\'')
+    p.set_defaults(func=_cmd_scaffold)
+
+    p = sub.add_parser("coverage", help="per model_type: bundled patchset, verifies, share of parameters patched")
+    p.add_argument("model_types", nargs="*", help="only these types (default: every type transformers knows)")
+    p.add_argument("--out", help="write the Markdown table here (docs/coverage.md); default: stdout")
+    p.add_argument("--no-verify", action="store_true", help="skip running verify (fast)")
+    p.set_defaults(func=_cmd_coverage)
 
     p = sub.add_parser("demo", help="patch a small Qwen3 on this device; compare numbers and time")
     p.add_argument("--patchset", default="qwen3")

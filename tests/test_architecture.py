@@ -49,8 +49,9 @@ LAYERS: tuple[Layer, ...] = (
     Layer("vocabulary", ("engine.schema",), True, "pydantic models of what a patchset may say"),
     Layer("loading", ("engine.loader", "engine.loader.*"), True,
           "YAML with line numbers, extends, messages, names, JSON Schema"),
-    Layer("torch helpers", ("engine.devices", "engine.wrappers", "engine.hub_functions", "engine.tiny"), False,
-          "devices, wrapper unwrapping, hub functions, tiny models"),
+    Layer("torch helpers", ("engine.devices", "engine.wrappers", "engine.hub_functions", "engine.tiny",
+                            "engine.tiny_config"), False,
+          "devices, wrapper unwrapping, hub functions, tiny models and their configs"),
     Layer("ops", ("engine.ops", "engine.ops.*"), False,
           "semantics: target contract, binding, the torch reference (Op.reference)"),
     Layer("kernels", ("engine.kernels", "engine.kernels.*"), False,
@@ -62,7 +63,8 @@ LAYERS: tuple[Layer, ...] = (
           "patched vs original numbers: probes, comparisons, report"),
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
     Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench", "engine.cli",
-                    "engine.__main__"), False, "Trainer callback, demo, benchmarks, the command line"),
+                    "engine.__main__", "engine.scaffolding", "engine.scaffolding_yaml", "engine.coverage"), False,
+          "Trainer callback, demo, benchmarks, scaffold, coverage, the command line"),
 )
 
 

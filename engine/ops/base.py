@@ -11,7 +11,9 @@ An op knows nothing about devices or vendor kernels (``engine.ops`` imports noth
 * its *reference*: ``reference(patch)``, the torch kernel function with the patch's settings,
   the ground truth every other provider is compared with (``engine/kernels/torch_reference.py``
   registers it as the ``torch`` provider of every op);
-* which other settings a user could have meant, so verification can say which one fits.
+* which other settings a user could have meant, so verification can say which one fits;
+* which declarations could apply to a given module or function (:meth:`ModuleOp.candidates`,
+  :meth:`FunctionOp.candidates`), so the scaffold can measure each against the original.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from torch import nn
 
 from engine.errors import InvalidArgument, SignatureMismatch
 
-__all__ = ["FunctionOp", "ModuleOp", "Op", "all_ops", "forward_parameters", "get_op", "register_op"]
+__all__ = [
+    "FunctionOp",
+    "ModuleOp",
+    "Op",
+    "all_ops",
+    "forward_parameters",
+    "get_op",
+    "norm_parameter_names",
+    "register_op",
+]
 
 
 class Op(ABC):
@@ -35,6 +46,13 @@ class Op(ABC):
     name: ClassVar[str]
     kind: ClassVar[Literal["module", "function"]]
     patch_type: ClassVar[type]
+    #: Settings a generated patchset writes out even at their defaults, because they are what
+    #: a reader must check (a norm's ``scale``, ``cast``, ``eps_attr``).
+    declared_settings: ClassVar[tuple[str, ...]] = ()
+    #: An op that changes the model's contract (a fused loss returns no logits): the scaffold
+    #: reports where it fits but never writes it into a patchset by itself.
+    opt_in: ClassVar[bool] = False
+
     #: How ``patch-engine kernels`` describes the op's ``torch`` provider.
     reference_description: ClassVar[str] = "torch reference (the ground truth), every device"
 
@@ -72,6 +90,17 @@ class ModuleOp(Op):
         """
         return type(module).forward
 
+    def candidates(self, module: nn.Module) -> Iterator[Any]:
+        """Every declaration of this op that could replace ``module``'s forward (default: none).
+
+        Why: the scaffold (:mod:`engine.scaffolding`) measures each one against the module's
+        own forward, in fp32 and bf16, and keeps the one that is exact. Yield every
+        setting a reader could not tell apart by looking (scale, cast order, eps attribute,
+        activation, ...); cheap structural filters belong here, :meth:`check_target` runs
+        on every candidate afterwards.
+        """
+        return iter(())
+
 
 class FunctionOp(Op):
     """An op that replaces a module-level function of a modeling module."""
@@ -81,6 +110,18 @@ class FunctionOp(Op):
     def check_function(self, function: Callable[..., Any], patch: Any) -> None:
         """Raise :class:`SignatureMismatch` when ``function`` is not what this op replaces."""
         raise NotImplementedError
+
+    def candidates(self, name: str, function: Callable[..., Any]) -> Iterator[Any]:
+        """Every declaration of this op that could replace the module-level ``name`` (default: none)."""
+        return iter(())
+
+    def accepts(self, name: str, function: Callable[..., Any], patch: Any) -> bool:
+        """Whether :meth:`check_function` accepts ``function`` under ``patch`` (for :meth:`candidates`)."""
+        try:
+            self.check_function(function, patch)
+        except SignatureMismatch:
+            return False
+        return True
 
 
 _OPS: dict[str, Op] = {}
@@ -160,3 +201,17 @@ def require_norm_attributes(module: nn.Module, eps_attr: str, weight_attr: str) 
     if not isinstance(weight, torch.Tensor):
         raise SignatureMismatch(f"{cls} has no tensor attribute {weight_attr!r} (weight_attr)")
     return weight
+
+
+def norm_parameter_names(module: nn.Module) -> tuple[list[str], list[str]]:
+    """``(1-d weight names, numeric eps attribute names)`` of a norm-shaped module (for candidates).
+
+    Why every one: the eps attribute's *name* differs across families (``variance_epsilon``,
+    ``eps``, ``epsilon``) and cannot be guessed; the scaffold measures each.
+    """
+    weights = [name for name, p in module.named_parameters(recurse=False) if p.dim() == 1]
+    eps = [
+        k for k, v in vars(module).items()
+        if isinstance(v, float) and not k.startswith("_") and 0 < v < 1e-2
+    ]
+    return weights, eps

@@ -24,7 +24,7 @@ runs (so generation and evaluation get their logits); with labels in training, `
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -152,6 +152,11 @@ class FusedLinearCrossEntropyOp(ModuleOp):
 
     name = "fused_linear_cross_entropy"
     patch_type = FusedLinearCrossEntropyPatch
+    opt_in = True  # training returns no logits: a scaffold reports where it fits, never adds it
+
+    def candidates(self, module: nn.Module) -> Iterator[FusedLinearCrossEntropyPatch]:
+        if "labels" in {p.name for p in forward_parameters(type(module))}:
+            yield FusedLinearCrossEntropyPatch(op=self.name, target=type(module).__name__)
 
     reference_description = "torch, chunked over tokens with per-chunk gradients, every device"
 

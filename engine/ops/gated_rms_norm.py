@@ -43,6 +43,7 @@ from engine.ops.base import (
     ModuleOp,
     describe_signature,
     forward_parameters,
+    norm_parameter_names,
     register_op,
     require_norm_attributes,
 )
@@ -151,6 +152,7 @@ class GatedRmsNormOp(ModuleOp):
 
     name = "gated_rms_norm"
     patch_type = GatedRmsNormPatch
+    declared_settings = ("scale", "activation", "order", "cast", "eps_attr")
 
     def reference(self, patch: GatedRmsNormPatch) -> Callable[..., Any]:
         return _build_torch(patch)
@@ -223,3 +225,51 @@ class GatedRmsNormOp(ModuleOp):
             update = dict(zip(keys, combo, strict=True))
             label = ", ".join(f"{k}: {v.value}" for k, v, d in zip(keys, combo, declared, strict=True) if v != d)
             yield label, patch.model_copy(update={**update, "precision": Precision.native})
+
+    def candidates(self, module: nn.Module) -> Iterator[GatedRmsNormPatch]:
+        """Every declaration a norm with a ``gate`` parameter could have (groups from its int attributes).
+
+        ``gate_required`` is not a numeric question: it is read off the module by calling
+        its own forward without a gate (an error means the gate is required).
+        """
+        if GATE_PARAM not in {p.name for p in forward_parameters(type(module))}:
+            return
+        weights, eps_attrs = norm_parameter_names(module)
+        if not weights or not eps_attrs:
+            return
+        required = _gate_required(module, getattr(module, weights[0]))
+        groups: list[dict[str, Any]] = [{}, *_group_options(module, getattr(module, weights[0]).shape[-1])]
+        target = type(module).__name__
+        for weight_attr, eps_attr, group, combo in itertools.product(
+            weights, eps_attrs, groups, itertools.product(Scale, Activation, GateOrder, CastOrder)
+        ):
+            scale, activation, order, cast = combo
+            yield GatedRmsNormPatch(
+                op="gated_rms_norm", target=target, scale=scale, activation=activation, order=order, cast=cast,
+                eps_attr=eps_attr, weight_attr=weight_attr, gate_required=required, **group,
+            )
+
+
+def _gate_required(module: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether the module's own forward refuses (raises on) a call without a gate."""
+    x = torch.randn(2, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+    try:
+        with torch.no_grad():
+            type(module).forward(module, x, None)
+    except Exception:  # noqa: BLE001  (any failure: the forward cannot run without its gate)
+        return True
+    return False
+
+
+def _group_options(module: nn.Module, width: int) -> Iterator[dict[str, Any]]:
+    """Group settings from the module's int attributes that split the width into several groups.
+
+    A size equal to the width is the ungrouped norm (not a different declaration), so it is skipped.
+    """
+    for key, value in vars(module).items():
+        if key.startswith("_") or not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            continue
+        if value < width and width % value == 0:
+            yield {"group_size_attr": key}
+        if 1 < value < width and width % value == 0:
+            yield {"num_groups_attr": key}

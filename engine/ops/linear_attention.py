@@ -23,7 +23,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.errors import InvalidArgument, SignatureMismatch
@@ -75,6 +76,7 @@ class LinearAttentionOp(FunctionOp):
 
     name = "linear_attention"
     patch_type = LinearAttentionPatch
+    declared_settings = ("rule", "form")
 
     reference_description = "transformers' torch gated delta rule (the ground truth), every device"
 
@@ -96,3 +98,10 @@ class LinearAttentionOp(FunctionOp):
                 f"linear_attention with form: {patch.form.value} cannot replace {where}: "
                 f"it {'takes' if is_chunk else 'has no'} chunk_size, so form: {fits} fits"
             )
+
+    def candidates(self, name: str, function: Callable[..., Any]) -> Iterator[LinearAttentionPatch]:
+        """Every (rule, form) the function's signature admits; the numbers decide the rule."""
+        for rule, form in itertools.product(DeltaRule, DeltaRuleForm):
+            patch = LinearAttentionPatch(op="linear_attention", function=name, rule=rule, form=form)
+            if self.accepts(name, function, patch):
+                yield patch

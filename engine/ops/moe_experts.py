@@ -25,6 +25,7 @@ and checked at plan time against the weights' shapes and the flags the decorator
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -228,6 +229,30 @@ class MoeExpertsOp(ModuleOp):
 
         forward.__signature__ = inspect.signature(inspect.unwrap(type(module).forward))  # type: ignore[attr-defined]
         return forward
+
+    def candidates(self, module: nn.Module) -> Iterator[MoeExpertsPatch]:
+        """Every naming of the 3-D weights and 2-D biases, layout, storage order and activation.
+
+        Why all of them: ``concatenated`` and ``interleaved`` have the same shapes, and only
+        the numbers tell them apart (the scaffold measures each; check_target drops the rest).
+        """
+        weights = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        biases = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 2]
+        if len(weights) < 2:
+            return
+        acts = [n for n, m in module.named_children() if next(m.parameters(), None) is None] or ["act_fn"]
+        activations = [{"activation": ExpertsActivation.silu, "act_attr": a} for a in acts]
+        activations.append({"activation": ExpertsActivation.clamped_swiglu})
+        bias_pairs = [(g, d) for g in [None, *biases] for d in [None, *biases] if g is None or g != d]
+        target = type(module).__name__
+        for gate_up, down in itertools.permutations(weights, 2):
+            for (g_bias, d_bias), layout, transposed, act in itertools.product(
+                bias_pairs, ExpertsLayout, (False, True), activations
+            ):
+                yield MoeExpertsPatch(
+                    op="moe_experts", target=target, gate_up_proj=gate_up, down_proj=down, gate_up_bias=g_bias,
+                    down_bias=d_bias, layout=layout, transposed=transposed, **act,
+                )
 
     def alternatives(self, patch: MoeExpertsPatch) -> Iterator[tuple[str, MoeExpertsPatch]]:
         other = next(v for v in ExpertsLayout if v is not patch.layout)

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.ops.base import ModuleOp, register_op, require_norm_attributes, require_single_input
+from engine.ops.base import (
+    ModuleOp,
+    norm_parameter_names,
+    register_op,
+    require_norm_attributes,
+    require_single_input,
+)
 from engine.schema import CastOrder, Precision, RmsNormPatch, Scale
 
 __all__ = ["RmsNormOp", "effective_weight", "rms_norm_reference"]
@@ -61,6 +67,7 @@ class RmsNormOp(ModuleOp):
 
     name = "rms_norm"
     patch_type = RmsNormPatch
+    declared_settings = ("scale", "eps_attr", "cast")
 
     def reference(self, patch: RmsNormPatch) -> Callable[..., Any]:
         return _build_torch(patch)
@@ -95,3 +102,12 @@ class RmsNormOp(ModuleOp):
                 changed += [f"cast: {cast.value}"] if cast != patch.cast else []
                 yield ", ".join(changed), alt
 
+
+    def candidates(self, module: nn.Module) -> Iterator[RmsNormPatch]:
+        """Every (weight, eps attribute, scale, cast) a norm-shaped module could be declared with."""
+        weights, eps_attrs = norm_parameter_names(module)
+        target = type(module).__name__
+        for weight_attr, eps_attr, scale, cast in itertools.product(weights, eps_attrs, Scale, CastOrder):
+            yield RmsNormPatch(
+                op="rms_norm", target=target, scale=scale, cast=cast, eps_attr=eps_attr, weight_attr=weight_attr
+            )

@@ -9,7 +9,7 @@ The reference also handles partial rotary (``cos`` narrower than the head): the 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,3 +65,8 @@ class RopeOp(FunctionOp):
                 f"rope cannot replace {patch.function}({', '.join(params)}): "
                 f"expected ({', '.join(_EXPECTED)}, unsqueeze_dim=1)"
             )
+
+    def candidates(self, name: str, function: Callable[..., object]) -> Iterator[RopePatch]:
+        patch = RopePatch(op="rope", function=name)
+        if self.accepts(name, function, patch):
+            yield patch

@@ -7,7 +7,8 @@ quantized linears) keep working. This is the split Liger-Kernel and ``npu_swiglu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,3 +60,17 @@ class SwigluOp(ModuleOp):
             return modules[down_name](impl(modules[gate_name](x), modules[up_name](x)))
 
         return forward
+
+    def candidates(self, module: nn.Module) -> Iterator[SwigluPatch]:
+        """Every (gate, up, down, activation) assignment of the module's linear children that fits by shape.
+
+        gate and up have the same shape, so both orders are yielded: only the numbers tell them apart.
+        """
+        linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+        acts = [n for n, m in module.named_children() if not isinstance(m, nn.Linear) and next(m.parameters(), None) is None]
+        target = type(module).__name__
+        for down, gate, up in itertools.permutations(linears, 3):
+            d, g, u = linears[down], linears[gate], linears[up]
+            if g.weight.shape == u.weight.shape and d.in_features == g.out_features and d.out_features == g.in_features:
+                for act in acts:
+                    yield SwigluPatch(op="swiglu", target=target, gate_proj=gate, up_proj=up, down_proj=down, act_attr=act)

@@ -1,0 +1,58 @@
+"""``patch-engine coverage`` on a few types (the full sweep is a command: docs/coverage.md)."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.coverage import LIGER_MODEL_TYPES, coverage_rows, parameter_share, render_markdown
+from engine.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {r.model_type: r for r in coverage_rows(["qwen3", "gemma", "gpt2"], verify=True)}
+
+
+def test_rows_say_patchsets_verification_and_share(rows) -> None:
+    qwen3, gemma, gpt2 = rows["qwen3"], rows["gemma"], rows["gpt2"]
+    assert qwen3.patchsets == ["qwen3", "qwen3_flce"] and qwen3.verified is True
+    assert "swiglu" in qwen3.patched and "rms_norm" in qwen3.patched
+    # Qwen3-8B-sized default config: the MLPs hold most parameters, the embeddings and attention the rest
+    assert 0.5 < qwen3.share < 0.9
+    # gemma's patchset patches only the norms (GeGLU MLP): a tiny share, and the table says so
+    assert gemma.verified is True and 0 < gemma.share < 0.001
+    assert gpt2.patchsets == [] and gpt2.verified is None and gpt2.share is None
+
+
+def test_share_counts_parameters_under_patched_modules_once() -> None:
+    model = build_tiny_model("llama", {})
+    share, ops = parameter_share(model, "llama")
+    mlp = sum(p.numel() for m in model.modules() if type(m).__name__ == "LlamaMLP" for p in m.parameters())
+    norms = sum(p.numel() for m in model.modules() if type(m).__name__ == "LlamaRMSNorm" for p in m.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert share == pytest.approx((mlp + norms) / total)
+    assert ops == "rms_norm, rope, swiglu"
+
+
+def test_markdown_has_a_headline_and_one_row_per_type(rows) -> None:
+    text = render_markdown(list(rows.values()))
+    assert "**2** of 3 model types have a bundled patchset; **2** of the 2 verified pass" in text
+    assert "1 of 2 patch more than half of the model" in text
+    assert f"Liger-Kernel 0.8.5 patches {len(LIGER_MODEL_TYPES)} model types" in text
+    assert "| qwen3 | qwen3, qwen3_flce | yes |" in text
+    assert "| gpt2 | - | - | - | - |  |  |" in text
+    # covered types come first
+    assert text.index("| gemma |") < text.index("| gpt2 |")
+
+
+def test_cli_writes_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "coverage.md"
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        assert main(["coverage", "llama", "gpt2", "--no-verify", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| llama | llama | - |" in text and "| gpt2 |" in text
