@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: One chunk's fp32 logits stay under this many bytes when ``chunk_size`` is not given.
-CHUNK_BUDGET_BYTES = 64 << 20
+CHUNK_BUDGET_BYTES = 128 << 20
 
 
 def auto_chunk_size(num_tokens: int, vocab: int) -> int:
@@ -106,9 +106,10 @@ def _chunk_loss_and_grad(
     loss_sum = token_loss.masked_fill_(~valid, 0.0).sum()
     if not need_grad:
         return loss_sum, None
-    grad = z.div_(total)  # softmax, in place
-    grad.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=grad.dtype))
-    grad.mul_((valid.to(grad.dtype) / denominator).unsqueeze(1))
+    # softmax / denominator for valid rows (one in-place pass), minus 1 / denominator at the target
+    row_scale = valid.to(z.dtype).unsqueeze(1) / (total * denominator)
+    grad = z.mul_(row_scale)
+    grad.scatter_add_(1, safe_t, (-valid.to(grad.dtype) / denominator).unsqueeze(1))
     if capped is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2, tanh = capped / softcap
         tanh = capped.float() if capped.dtype != torch.float32 else capped
         del capped
@@ -127,21 +128,34 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        # Ignored tokens (prompt, padding) add nothing to the loss or the gradients: only the
+        # others go through the head, as cut-cross-entropy does (less time, same numbers).
+        keep = (target != ignore_index).nonzero().squeeze(1)
+        selected = keep.numel() < target.numel()
+        rows, labels = (hidden.index_select(0, keep), target.index_select(0, keep)) if selected else (hidden, target)
+        grad_rows = (torch.empty_like(rows) if need_h else None)
         # In the weight's dtype, accumulated in place: no fp32 [V, H] buffer or temporary in bf16.
-        grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size]
+        grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        for start in range(0, rows.shape[0], chunk_size):
+            h = rows[start : start + chunk_size]
             chunk_loss, grad = _chunk_loss_and_grad(
-                h, weight, target[start : start + chunk_size], ignore_index, denominator, softcap, need_h or need_w
+                h, weight, labels[start : start + chunk_size], ignore_index, denominator, softcap, need_h or need_w
             )
             loss_sum += chunk_loss
             if grad is not None:
-                if grad_h is not None:
-                    torch.mm(grad, weight, out=grad_h[start : start + chunk_size])
-                if grad_w is not None:
+                if grad_rows is not None:
+                    torch.mm(grad, weight, out=grad_rows[start : start + chunk_size])
+                if grad_w is not None and start == 0:
+                    torch.mm(grad.t(), h, out=grad_w)  # the first chunk writes: no zero-filled [V, H] pass
+                elif grad_w is not None:
                     grad_w.addmm_(grad.t(), h)
             del grad, chunk_loss  # released before the next chunk's logits exist
+        if grad_w is not None and rows.shape[0] == 0:
+            grad_w.zero_()
+        grad_h = grad_rows
+        if grad_rows is not None and selected:
+            grad_h = torch.zeros_like(hidden).index_copy_(0, keep, grad_rows)
+        del grad_rows, rows
         # Kept as attributes, not saved tensors: backward drops the last reference before returning
         # them, so autograd adopts the buffers as .grad instead of copying a [vocab, hidden] tensor.
         ctx.grads = (grad_h, grad_w)
