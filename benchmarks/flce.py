@@ -15,7 +15,7 @@ Two tables (issue 13):
 
 Peak memory is measured with the allocator: ``torch.profiler.profile(profile_memory=True)``
 records every CPU allocation and free; the running sum's maximum is the peak rise over the
-step. Times are single runs (the machine is shared; compare within a row).
+step. Times are single runs without the profiler (the machine is shared; compare within a row).
 
     flock /tmp/heavy.lock python benchmarks/flce.py --out benchmarks/results/flce_cpu.json
 
@@ -49,12 +49,20 @@ TRAIN_CONFIG = {
 
 
 def measure(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """``(result, peak rise MiB, seconds)``: the allocator's running total over ``fn``, from the profiler."""
+    """``(result, peak rise MiB, seconds)``: ``fn`` timed on its own, then run again under the profiler.
+
+    The peak is the maximum of the allocator's running total over the second run: the
+    profiler records every CPU allocation and free with its size. Its own overhead (it
+    multiplies the time of small ops) is why the time comes from the first run.
+    """
+    gc.collect()
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    del result
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        start = time.perf_counter()
         result = fn()
-        seconds = time.perf_counter() - start
     raw = prof.profiler.kineto_results.events()  # every allocation and free, with its size (the allocator's)
     events = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
     level = peak = 0
@@ -87,13 +95,14 @@ def bench_train(seq: int = 1024) -> list[dict[str, Any]]:
             model = _train_model(tied, fused)
 
             def step(model: torch.nn.Module = model) -> float:
-                model.zero_grad(set_to_none=True)
                 out = model(input_ids=ids, labels=ids)
-                out.loss.backward()
-                return out.loss.item()
+                out.loss.backward()  # the peak is here: parameter gradients + what backward holds
+                loss = out.loss.item()
+                del out
+                model.zero_grad(set_to_none=True)  # the next run starts from the same state
+                return loss
 
             step()  # warm-up (allocator, lazy init)
-            model.zero_grad(set_to_none=True)
             loss, peak, seconds = measure(step)
             floor = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MIB
             rows.append({"embeddings": "tied" if tied else "untied", "variant": "fused" if fused else "unpatched",
