@@ -24,7 +24,7 @@ from transformers import Trainer, TrainingArguments
 import engine
 from engine.errors import SignatureMismatch
 from engine.patcher import is_patched
-from engine.verify import probe_batch
+from engine.verification import probe_batch
 
 
 def _pair(name: str = "qwen3", **overrides):

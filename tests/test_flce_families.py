@@ -22,7 +22,7 @@ import engine
 from engine.errors import SignatureMismatch
 from engine.loader import bundled_names
 from engine.patcher import is_patched
-from engine.verify import probe_batch
+from engine.verification import probe_batch
 
 NAMES = [n for n in bundled_names() if n != "qwen3_flce"]  # qwen3_flce is qwen3 with the switch on
 
