@@ -173,7 +173,7 @@ def test_signature_error_for_a_bad_argument_is_the_unpatched_one() -> None:
         reference(torch.zeros(1, 2, dtype=torch.long), None, None, None, None, None, None, 0, "extra")
     with pytest.raises(TypeError) as got:
         patched(torch.zeros(1, 2, dtype=torch.long), None, None, None, None, None, None, 0, "extra")
-    assert type(got.value) is type(want.value)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
 
 
 # -- PEFT LoRA on lm_head ----------------------------------------------------------------------

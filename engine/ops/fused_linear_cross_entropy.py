@@ -90,7 +90,10 @@ class FusedLinearCrossEntropyOp(ModuleOp):
         varkw = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            arguments = signature.bind(self, *args, **kwargs).arguments
+            try:
+                arguments = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:  # the original raises its own error for these arguments
+                return original(self, *args, **kwargs)
             keep = arguments.get("logits_to_keep", 0)
             if arguments.get("labels") is None or not self.training or not (isinstance(keep, int) and keep == 0):
                 return original(self, *args, **kwargs)
@@ -116,7 +119,8 @@ def _fused_forward(
         return_dict = getattr(config, "return_dict", True)
     labels = arguments["labels"]
     call = {**arguments, **extra, "labels": None, "return_dict": True}
-    call["logits_to_keep"] = torch.empty(0, dtype=torch.long)  # the model computes no logits at all
+    head_device = model.get_submodule(patch.lm_head).weight.device
+    call["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=head_device)  # no logits computed at all
     captured: list[Any] = []
     handle = model.get_submodule(backbone).register_forward_hook(lambda m, i, o: captured.append(o))
     try:
