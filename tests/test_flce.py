@@ -268,3 +268,38 @@ def test_liger_is_planned_on_npu_and_cuda() -> None:
     provider = registry.get("liger", "fused_linear_cross_entropy")
     assert {d.value for d in provider.devices} == {"cuda", "npu"}
     assert "liger" in registry.AUTO_ORDER[registry.Device.npu]
+
+
+# -- memory (the allocator's own accounting, through the profiler) ------------------------------
+
+
+def _peak_rise(fn) -> int:
+    """The maximum of the allocator's running total over ``fn``, in bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    level = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        level += nbytes
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_memory_one_chunk_at_a_time_and_gradients_in_place(dtype: torch.dtype) -> None:
+    """Forward: the head gradient in the weight's dtype plus about one chunk (no fp32 [V, H] in bf16,
+    no two chunks alive); backward with grad_output != 1: no second [V, H] buffer."""
+    n, h, v, chunk = 256, 256, 8192, 16
+    hidden, weight, target = _inputs(dtype, n=n, h=h, v=v)
+    elem = torch.finfo(dtype).bits // 8
+    grad_w, grad_h, one_chunk = v * h * elem, n * h * elem, chunk * v * (4 + 2 * elem)
+    box = {}
+    peak = _peak_rise(lambda: box.setdefault("loss", chunked_linear_cross_entropy(hidden, weight, target,
+                                                                                  chunk_size=chunk)))
+    assert peak <= grad_w + 2 * grad_h + 1.5 * one_chunk, (peak, grad_w, one_chunk)
+    assert peak < grad_w + v * h * 4 or dtype is torch.float32  # no fp32 [V, H] temporary in bf16
+    backward_peak = _peak_rise(lambda: (3.0 * box.pop("loss")).backward())
+    assert backward_peak < v * h * elem / 4, backward_peak  # scaled in place, handed over as .grad
+    assert weight.grad is not None and weight.grad.dtype == dtype
