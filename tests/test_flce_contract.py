@@ -225,3 +225,16 @@ def test_lora_with_dropout_on_lm_head_is_refused_in_both_orders() -> None:
     late.train()
     with pytest.raises(SignatureMismatch, match="lora_dropout"):
         late(**_batch(base))
+
+
+def test_pickled_model_keeps_the_fused_head() -> None:
+    import inspect
+    import pickle
+
+    reference, patched = _pair()
+    batch = _batch(reference)
+    loaded = pickle.loads(pickle.dumps(patched))
+    out = loaded(**batch)
+    assert out.logits is None and engine.is_patched(loaded)
+    assert abs(out.loss.item() - reference(**batch).loss.item()) <= 1e-5
+    assert inspect.signature(loaded.forward) == inspect.signature(reference.forward)
