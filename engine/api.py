@@ -32,6 +32,7 @@ def apply(
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
     verify: bool = False,
+    fused_cross_entropy: Any = None,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
 
@@ -45,10 +46,14 @@ def apply(
         >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
         >>> engine.revert(model)                      # doctest: +SKIP
 
+    ``fused_cross_entropy=True`` (or ``{"kernel": ..., "chunk_size": ...}``) also fuses the
+    causal-LM head + loss of any family (``False`` leaves it off; ``None``, the default, keeps
+    the patchset's ``fused_cross_entropy`` key). See :mod:`engine.fused_head`.
+
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.
     """
-    report = _patch(model, patchset, device=device, mode=mode)
+    report = _patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
     if verify and report.verification is None:  # a repeat that changed nothing keeps its verification
         try:
             report.verification = verification.verify(model, raise_on_failure=True)

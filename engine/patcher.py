@@ -161,6 +161,7 @@ def apply(
     *,
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
+    fused_cross_entropy: Any = None,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
 
@@ -176,11 +177,15 @@ def apply(
         >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
         >>> engine.revert(model)                      # doctest: +SKIP
 
+    ``fused_cross_entropy=True`` (or ``{"kernel": ..., "chunk_size": ...}``) also fuses the
+    causal-LM head + loss of any family (``False`` leaves it off; ``None``, the default, keeps
+    the patchset's ``fused_cross_entropy`` key). See :mod:`engine.fused_head`.
+
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.
     """
     model = unwrap(model)
-    the_plan = plan(model, patchset, device=device, mode=mode)
+    the_plan = plan(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
     require_present(the_plan.device, model)
     key = _patchset_key(the_plan.patchset)
     state: AppliedState | None = model.__dict__.get(STATE_ATTR)

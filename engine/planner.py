@@ -105,6 +105,7 @@ def plan(
     *,
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
+    fused_cross_entropy: Any = None,
 ) -> Plan:
     """Decide what applying ``patchset`` to ``model`` would do; the model is not changed.
 
@@ -117,17 +118,22 @@ def plan(
             for a device this machine lacks is a dry run; :func:`engine.apply` refuses it.
         mode: ``"training"`` (kernels need a backward) or ``"inference"``; default:
             ``"training"`` if ``model.training`` else ``"inference"``.
+        fused_cross_entropy: fuse the causal-LM head + loss (``True``, ``False``, or
+            ``{kernel, chunk_size}``); ``None`` keeps the patchset's ``fused_cross_entropy``
+            key. See :mod:`engine.fused_head`.
 
     Raises:
         PatchsetError, ModelTypeMismatch, VersionMismatch, TargetNotFound,
         SignatureMismatch, DeviceUnsupported, MissingDependency, KernelNotFound.
     """
+    from engine.fused_head import with_fused_cross_entropy
     from engine.loader import load_patchset
     from engine.wrappers import unwrap
 
     model = unwrap(model)  # a PeftModel is planned as the transformers model inside it
     if not isinstance(patchset, Patchset):
         patchset = load_patchset(patchset)
+    patchset = with_fused_cross_entropy(patchset, model, fused_cross_entropy)
     dev = resolve_device(model, device)
     run_mode: Mode = check_mode(mode) or ("training" if model.training else "inference")
     model_type = _check_model_type(model, patchset)

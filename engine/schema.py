@@ -25,6 +25,7 @@ __all__ = [
     "ExpertsLayout",
     "Device",
     "FunctionPatch",
+    "FusedCrossEntropy",
     "FusedLinearCrossEntropyPatch",
     "GateOrder",
     "GatedRmsNormPatch",
@@ -292,12 +293,26 @@ class FusedLinearCrossEntropyPatch(ModulePatch):
     """
 
     op: Literal["fused_linear_cross_entropy"]
-    backbone: str = Field(default="model", description="Submodule returning last_hidden_state.")
+    backbone: str | None = Field(
+        default=None, description="Submodule returning last_hidden_state; default: the model's base_model_prefix."
+    )
     lm_head: str = Field(default="lm_head", description="The output nn.Linear (no bias).")
     chunk_size: int | None = Field(
         default=None, ge=1,
         description="Tokens per chunk; default: as many as keep one chunk's fp32 logits under 128 MiB.",
     )
+
+
+class FusedCrossEntropy(StrictModel):
+    """Settings of the fused head when ``fused_cross_entropy`` is switched on with a mapping."""
+
+    kernel: KernelSpec = Field(default="auto", description="auto, a kernel name, or {device: kernel name}.")
+    chunk_size: int | None = Field(default=None, ge=1, description="Tokens per chunk (torch kernel); default: automatic.")
+
+    @field_validator("kernel")
+    @classmethod
+    def _known_kernels(cls, value: Any) -> Any:
+        return _check_kernel_names(value)
 
 
 
@@ -364,6 +379,14 @@ class Patchset(StrictModel):
     on_unsupported: OnUnsupported = OnUnsupported.error
     tiny_model: TinyModel | None = None
     patches: list[Patch] = Field(default_factory=list)
+    fused_cross_entropy: bool | FusedCrossEntropy = Field(
+        default=False,
+        description=(
+            "Fuse the causal-LM head + loss (op fused_linear_cross_entropy on the model's own *ForCausalLM / "
+            "*ForConditionalGeneration class, found at plan time): true, false, or {kernel, chunk_size}. "
+            "engine.apply(model, ps, fused_cross_entropy=...) overrides it."
+        ),
+    )
 
     #: Where each patch is written, set by the loader: ``{(index,) or (index, key): (file, line)}``.
     #: Private (not data): planner errors use it to point at the offending patch.

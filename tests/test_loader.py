@@ -135,7 +135,7 @@ def test_unknown_key_without_close_match_lists_valid_keys(tmp_path):
     path = write(tmp_path, "x.yaml", VALID + "zzz: 1\n")
     assert str(error_of(path)) == (
         f"{path}:9: zzz: unknown key 'zzz'; valid keys: name, description, extends, model_types, requires, "
-        "on_unsupported, tiny_model, patches"
+        "on_unsupported, tiny_model, patches, fused_cross_entropy"
     )
 
 

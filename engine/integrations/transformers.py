@@ -39,7 +39,7 @@ __all__ = ["PatchsetCallback", "patch_for_training"]
 def patch_for_training(model: nn.Module, patchset: Patchset | str | dict[str, Any], **apply_kwargs: Any) -> nn.Module:
     """Apply ``patchset`` to ``model`` for training and return the model (for ``Trainer(model=...)``).
 
-    Keyword arguments go to :func:`engine.apply` (``device``, ``verify``).
+    Keyword arguments go to :func:`engine.apply` (``device``, ``verify``, ``fused_cross_entropy``).
     """
     apply(model, patchset, mode="training", **apply_kwargs)
     return model
@@ -55,22 +55,30 @@ class PatchsetCallback(TrainerCallback):
             training, and checkpoints are unaffected either way (patching changes no
             parameter or state-dict key).
         verify: check every patched module against its original forward once, when applying.
+        fused_cross_entropy: fuse the causal-LM head + loss (``True``, ``False``, or
+            ``{kernel, chunk_size}``; ``None`` keeps the patchset's key), as Liger's
+            ``fused_linear_cross_entropy=True``. See :mod:`engine.fused_head`.
 
     Attributes:
         report: the :class:`Report` of the last apply (``None`` before).
     """
 
-    def __init__(self, patchset: Patchset | str | dict[str, Any], *, revert_on_end: bool = False, verify: bool = False):
+    def __init__(
+        self, patchset: Patchset | str | dict[str, Any], *, revert_on_end: bool = False, verify: bool = False,
+        fused_cross_entropy: Any = None,
+    ):
         self.patchset = patchset
         self.revert_on_end = revert_on_end
         self.verify = verify
+        self.fused_cross_entropy = fused_cross_entropy
         self.report: Report | None = None
 
     def _apply(self, args: Any, model: nn.Module | None) -> None:
         if model is None:
             return
         device = getattr(getattr(args, "device", None), "type", None)
-        self.report = apply(model, self.patchset, device=device, mode="training", verify=self.verify)
+        self.report = apply(model, self.patchset, device=device, mode="training", verify=self.verify,
+                            fused_cross_entropy=self.fused_cross_entropy)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         self._apply(args, model)

@@ -1,4 +1,9 @@
-"""``liger`` provider of ``fused_linear_cross_entropy``: Liger-Kernel's Triton FLCE (CUDA).
+"""``liger`` provider of ``fused_linear_cross_entropy``: Liger-Kernel's Triton FLCE (CUDA and Ascend NPU).
+
+On CUDA it is ``liger_kernel.ops.fused_linear_cross_entropy``; on an Ascend NPU, liger-kernel
+0.8.5's Ascend backend, ``liger_kernel.ops.backends._ascend.ops.fused_linear_cross_entropy``
+(the class liger itself substitutes on NPU: one Cube GEMM per chunk, the same positional
+contract minus ``chunk_mem_const``). The class is chosen by the tensors' device at call time.
 
 Kept in its own file (not a general ``liger.py``) so the norm/MLP liger providers can live
 elsewhere without a merge; the lead may fold it into one liger backend file.
@@ -9,7 +14,8 @@ So the call is built by binding keyword arguments to the installed ``forward``'s
 (:func:`liger_arguments`), never by position. ``num_items_in_batch`` maps to
 ``reduction="sum"`` followed by a division, exactly as transformers' ``fixed_cross_entropy``
 and Liger's own ``LigerForCausalLMLoss`` do; the head-gradient accumulation runs in fp32
-(``accum_dtype``). Not run here (no GPU): tests/test_flce.py checks the mapping against the
+in the weight's dtype (``accum_dtype=None``, Liger's default, as the torch kernel does: no fp32
+``[V, H]`` buffer in bf16). Gemma's soft-cap maps to ``softcap``. Not run here (no GPU): tests/test_flce.py checks the mapping against the
 installed signature when liger-kernel imports, and against a torch emulator of the documented
 contract otherwise.
 """
@@ -25,7 +31,7 @@ import torch
 from engine.kernels.registry import Dependency, KernelProvider, register
 from engine.schema import Device
 
-__all__ = ["LIGER", "liger_arguments", "liger_flce"]
+__all__ = ["LIGER", "liger_arguments", "liger_flce", "liger_function_for"]
 
 LIGER = Dependency(module="liger_kernel", package="liger-kernel", extra="cuda")
 
@@ -43,37 +49,57 @@ def liger_arguments(forward: Callable[..., Any], **kwargs: Any) -> tuple[Any, ..
 
 
 def liger_flce(function: Any) -> Callable[..., torch.Tensor]:
-    """The kernel for a Liger ``LigerFusedLinearCrossEntropyFunction``-like ``function``."""
+    """The kernel for a Liger ``LigerFusedLinearCrossEntropyFunction``-like ``function``.
+
+    ``function`` is the autograd Function, or ``device_type -> Function`` (chosen per call).
+    """
 
     def kernel(
         hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
         ignore_index: int = -100, num_items_in_batch: Any = None, chunk_size: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        fn = function(hidden.device.type) if callable(function) and not hasattr(function, "apply") else function
         reduction = "sum" if num_items_in_batch is not None else "mean"
         args = liger_arguments(
-            function.forward, _input=hidden, weight=weight, target=target, ignore_index=ignore_index,
-            reduction=reduction, accum_dtype=torch.float32,
+            fn.forward, _input=hidden, weight=weight, target=target, ignore_index=ignore_index,
+            reduction=reduction, softcap=softcap,
         )
-        out = function.apply(*args)
+        out = fn.apply(*args)
         loss = out[0] if isinstance(out, tuple) else out
-        return loss / num_items_in_batch if num_items_in_batch is not None else loss
+        if num_items_in_batch is None:
+            return loss
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
 
     return kernel
 
 
-def _build(patch: Any) -> Callable[..., torch.Tensor]:
+def liger_function_for(device_type: str) -> Any:
+    """Liger's FLCE autograd Function for a device type: the Ascend backend's on ``npu``, else CUDA's."""
+    if device_type == "npu":
+        from liger_kernel.ops.backends._ascend.ops.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyFunction as AscendFunction,
+        )
+
+        return AscendFunction
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-    return liger_flce(LigerFusedLinearCrossEntropyFunction)
+    return LigerFusedLinearCrossEntropyFunction
+
+
+def _build(patch: Any) -> Callable[..., torch.Tensor]:
+    return liger_flce(liger_function_for)
 
 
 register(
     KernelProvider(
         name="liger",
         op="fused_linear_cross_entropy",
-        devices=frozenset({Device.cuda}),
+        devices=frozenset({Device.cuda, Device.npu}),
         build=_build,
         requires=(LIGER,),
-        description="Liger-Kernel Triton fused linear cross-entropy (chunk size chosen by Liger)",
+        description="Liger-Kernel Triton fused linear cross-entropy, CUDA and its Ascend backend (chunks by Liger)",
     )
 )

@@ -36,7 +36,7 @@ ALL_DEVICES: frozenset[Device] = frozenset(Device)
 #: for an op are passed over; ``torch`` (the reference) ends every list.
 AUTO_ORDER: dict[Device, tuple[str, ...]] = {
     Device.cuda: ("liger", "fla", "grouped_mm", "torch"),
-    Device.npu: ("npu", "fla", "torch"),
+    Device.npu: ("npu", "liger", "fla", "torch"),
     Device.cpu: ("compiled", "grouped_mm", "torch"),
     Device.xpu: ("torch",),
     Device.mps: ("torch",),

@@ -1,24 +1,26 @@
 """Fused linear cross-entropy: the causal-LM loss from hidden states, never materializing all logits.
 
 transformers computes ``logits = lm_head(h)`` for every token (``[tokens, vocab]``; 151936
-columns for Qwen3), then ``ForCausalLMLoss``: ``logits.float()``, labels shifted left by one
-(padded with ``ignore_index``), ``cross_entropy(..., reduction="mean")``, or ``"sum"`` divided
-by ``num_items_in_batch`` when that is given. In training the logits, their fp32 copy, the
-log-softmax and the logits' gradient are each alive at some point: gigabytes for a long
-sequence.
+columns for Qwen3), then ``ForCausalLMLoss``. This op replaces the head + loss of a
+``*ForCausalLM`` / ``*ForConditionalGeneration`` forward with a kernel that computes the
+same loss chunk by chunk (see :mod:`engine.ops.flce_torch`), for any family whose forward
+follows transformers' template (read from its code by :mod:`engine.ops.causal_lm_head`).
 
-This op computes the same loss chunk by chunk over tokens. Because the loss is the last node of
-the graph, each chunk's gradient with respect to its hidden states and to the head weight is
-computed in the forward (Liger-Kernel's trick), so nothing of size ``[tokens, vocab]`` is kept:
-backward only scales the stored gradients by ``grad_output``. The head-weight gradient is
-accumulated in fp32 across chunks.
+The patched forward keeps transformers' contract:
 
-Kernel signature: ``kernel(hidden [N, H], weight [V, H], target [N], *, ignore_index,
-num_items_in_batch, chunk_size) -> loss`` (a 0-d fp32 tensor), where ``target`` is already shifted.
-
-What the patched forward returns: without labels, or in eval mode, the model's own forward
-runs (so generation and evaluation get their logits); with labels in training, ``logits`` is
-``None`` (that is the point), everything else as the model returns it.
+* its signature is the original's (``inspect.signature(model.forward)`` is equal), so
+  ``Trainer``'s ``remove_unused_columns`` and ``generate``'s ``logits_to_keep`` detection
+  see what they see on the unpatched model;
+* it fuses only in training with ``labels`` and ``logits_to_keep=0``; every other call
+  (no labels, ``shift_labels`` alone, eval mode, generation, ``logits_to_keep`` with labels)
+  *is* the original forward, with its outputs and its errors;
+* when it fuses, the original forward itself runs with ``labels=None`` and an empty
+  ``logits_to_keep`` (so it computes everything but the logits: hidden states, caches, the
+  MoE router loss), the backbone's last hidden state is taken on the way, and the loss is
+  the kernel's, plus ``coef * aux_loss`` where the forward adds it; ``logits`` is ``None``,
+  also in the tuple of ``return_dict=False`` (kept in its position, as Liger does);
+* Gemma's final-logit soft-cap and a LoRA on ``lm_head`` (folded into one weight, so the
+  adapter trains) are part of the kernel's input; what cannot be reproduced is refused.
 """
 
 from __future__ import annotations
@@ -33,122 +35,20 @@ from torch import nn
 
 from engine.errors import SignatureMismatch
 from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
+from engine.ops.causal_lm_head import HeadContract, head_weight, read_head_contract
+from engine.ops.flce_torch import chunked_linear_cross_entropy, linear_cross_entropy_reference
 from engine.schema import FusedLinearCrossEntropyPatch
 
-__all__ = [
-    "CHUNK_BUDGET_BYTES",
-    "FusedLinearCrossEntropyOp",
-    "auto_chunk_size",
-    "chunked_linear_cross_entropy",
-    "linear_cross_entropy_reference",
-]
-
-#: The fp32 logits of one chunk stay under this many bytes when ``chunk_size`` is not given.
-CHUNK_BUDGET_BYTES = 128 << 20
+__all__ = ["FusedLinearCrossEntropyOp", "chunked_linear_cross_entropy", "linear_cross_entropy_reference"]
 
 
-def auto_chunk_size(num_tokens: int, vocab: int) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits fit :data:`CHUNK_BUDGET_BYTES`."""
-    return max(1, min(num_tokens, CHUNK_BUDGET_BYTES // (4 * vocab)))
-
-
-def _denominator(target: torch.Tensor, ignore_index: int, num_items_in_batch: Any) -> float:
-    """What transformers divides the summed loss by: the valid-token count, or num_items_in_batch."""
-    if num_items_in_batch is None:
-        return float((target != ignore_index).sum())
-    return float(num_items_in_batch)
-
-
-def linear_cross_entropy_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    num_items_in_batch: Any = None,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """The ground truth, materializing all logits exactly as transformers' ``ForCausalLMLoss`` does."""
-    logits = F.linear(hidden, weight).float()
-    reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
-    return loss / num_items_in_batch if num_items_in_batch is not None else loss
-
-
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Loss and both gradients, chunk by chunk, in the forward; backward scales them."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-        ignore_index: int, denominator: float, chunk_size: int,
-    ) -> torch.Tensor:
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n = hidden.shape[0]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for start in range(0, n, chunk_size):
-            h = hidden[start : start + chunk_size]
-            t = target[start : start + chunk_size]
-            valid = t != ignore_index
-            safe_t = torch.where(valid, t, 0).unsqueeze(1)
-            logits = F.linear(h, weight).float()  # as the model: head in its dtype, loss in fp32
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            token_loss = (lse - logits.gather(1, safe_t)).squeeze(1)
-            loss_sum += token_loss.masked_fill(~valid, 0.0).sum()
-            if need_h or need_w:
-                grad = logits.sub_(lse).exp_()  # softmax, in place of the logits
-                grad.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=grad.dtype))
-                grad.mul_((valid.to(grad.dtype) / denominator).unsqueeze(1))
-                grad = grad.to(hidden.dtype)  # the model's logits.float() casts its gradient back
-                if need_h:
-                    grad_h[start : start + chunk_size] = grad @ weight  # type: ignore[index]
-                if need_w and grad_w.dtype == h.dtype:  # type: ignore[union-attr]
-                    grad_w.addmm_(grad.t(), h)  # type: ignore[union-attr]  (accumulates in place, no temporary)
-                elif need_w:
-                    grad_w.add_(grad.t() @ h)  # type: ignore[union-attr]
-        # Kept as attributes, not saved tensors: backward drops the last reference before returning
-        # them, so autograd adopts the buffers as .grad instead of copying a [vocab, hidden] tensor.
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
-        return loss_sum / denominator
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        grads = ctx.__dict__.pop("grads", None)
-        if grads is None:
-            raise RuntimeError(
-                "fused_linear_cross_entropy: backward runs once per forward (the gradients are computed in the "
-                "forward and handed over); run the forward again instead of retain_graph=True"
-            )
-        grad_h, grad_w = grads
-        if not bool(grad_output == 1):
-            grad_h = None if grad_h is None else grad_h * grad_output.to(grad_h.dtype)
-            grad_w = None if grad_w is None else grad_w * grad_output.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None, None
-
-
-def chunked_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    num_items_in_batch: Any = None,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """The ``torch`` provider: chunked over tokens, gradients computed per chunk, fp32 accumulation."""
-    chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
-    denominator = _denominator(target, ignore_index, num_items_in_batch)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, ignore_index, denominator, chunk)
-
-
-_SOFTCAP_KEYS = ("final_logit_softcapping", "logit_softcapping", "output_logits_soft_cap")
+def _backbone_name(module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> str:
+    return patch.backbone or getattr(module, "base_model_prefix", "") or "model"
 
 
 @register_op
 class FusedLinearCrossEntropyOp(ModuleOp):
-    """Replace a ``*ForCausalLM`` forward: in training with labels, loss without full logits."""
+    """Replace a causal-LM forward: in training with labels, the loss without full logits."""
 
     name = "fused_linear_cross_entropy"
     patch_type = FusedLinearCrossEntropyPatch
@@ -161,6 +61,7 @@ class FusedLinearCrossEntropyOp(ModuleOp):
     reference_description = "torch, chunked over tokens with per-chunk gradients, every device"
 
     def reference(self, patch: FusedLinearCrossEntropyPatch) -> Callable[..., Any]:
+        """The torch kernel: chunked, exact in fp32 against :func:`linear_cross_entropy_reference`."""
         return chunked_linear_cross_entropy
 
     def check_target(self, module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> None:
@@ -169,22 +70,13 @@ class FusedLinearCrossEntropyOp(ModuleOp):
         if "labels" not in names:
             raise SignatureMismatch(
                 f"fused_linear_cross_entropy cannot replace {describe_signature(type(module))}: it takes no "
-                "`labels`; target the *ForCausalLM class (the one that computes the loss)"
+                "`labels`; it replaces the head + loss of the *ForCausalLM / *ForConditionalGeneration model"
             )
-        if not isinstance(getattr(module, patch.backbone, None), nn.Module):
-            raise SignatureMismatch(f"{cls} has no submodule {patch.backbone!r} (backbone)")
-        head = getattr(module, patch.lm_head, None)
-        if not isinstance(head, nn.Linear):
-            raise SignatureMismatch(f"{cls}.{patch.lm_head} is {type(head).__name__}, not an nn.Linear (lm_head)")
-        if head.bias is not None:
-            raise SignatureMismatch(f"{cls}.{patch.lm_head} has a bias; fused_linear_cross_entropy supports none")
-        config = getattr(module, "config", None)
-        for key in _SOFTCAP_KEYS:
-            if getattr(config, key, None) is not None:
-                raise SignatureMismatch(
-                    f"{cls} soft-caps its logits ({key}={getattr(config, key)}), which "
-                    "fused_linear_cross_entropy does not implement; remove this patch for this family"
-                )
+        read_head_contract(type(module), patch.lm_head)
+        backbone = _backbone_name(module, patch)
+        if not isinstance(getattr(module, backbone, None), nn.Module):
+            raise SignatureMismatch(f"{cls} has no submodule {backbone!r} (backbone)")
+        head_weight(getattr(module, patch.lm_head, None), f"{cls}.{patch.lm_head}")
         from transformers.loss.loss_utils import ForCausalLMLoss
 
         loss_fn = getattr(module, "loss_function", None)
@@ -198,50 +90,68 @@ class FusedLinearCrossEntropyOp(ModuleOp):
         self, module: nn.Module, patch: FusedLinearCrossEntropyPatch, impl: Callable[..., Any]
     ) -> Callable[..., Any]:
         original = type(module).forward
-        signature = inspect.signature(inspect.unwrap(original))
-        params = list(signature.parameters)
-        labels_pos = params.index("labels") - 1  # position among the arguments after self
-        backbone, head, chunk_size = patch.backbone, patch.lm_head, patch.chunk_size
+        signature = inspect.signature(original)  # through can_return_tuple & co, ``self`` first
+        contract = read_head_contract(type(module), patch.lm_head)
+        backbone = _backbone_name(module, patch)
+        varkw = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            labels = args[labels_pos] if len(args) > labels_pos else kwargs.get("labels")
-            if (labels is None and kwargs.get("shift_labels") is None) or not self.training:
+            try:
+                arguments = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:  # the original raises its own error for these arguments
                 return original(self, *args, **kwargs)
-            return _fused_forward(self, signature, backbone, head, impl, chunk_size, args, kwargs)
+            keep = arguments.get("logits_to_keep", 0)
+            if arguments.get("labels") is None or not self.training or not (isinstance(keep, int) and keep == 0):
+                return original(self, *args, **kwargs)
+            return _fused_forward(self, original, dict(arguments), varkw, backbone, patch, contract, impl)
 
+        forward.__signature__ = signature  # type: ignore[attr-defined]  (MethodType drops ``self``)
+        forward.__doc__ = original.__doc__
+        forward.__name__ = "forward"
+        forward.__qualname__ = f"{type(module).__qualname__}.forward"
         return forward
 
 
 def _fused_forward(
-    model: nn.Module, signature: inspect.Signature, backbone: str, head: str, impl: Callable[..., Any],
-    chunk_size: int | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+    model: nn.Module, original: Callable[..., Any], arguments: dict[str, Any], varkw: str | None, backbone: str,
+    patch: FusedLinearCrossEntropyPatch, contract: HeadContract, impl: Callable[..., Any],
 ) -> Any:
-    """What ``*ForCausalLM.forward`` does with labels, with head + loss fused and no logits returned."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    config = getattr(model, "config", None)
-    return_dict = kwargs.pop("return_dict", getattr(config, "return_dict", True))
-    bound = signature.bind(model, *args, **kwargs)
-    arguments = dict(bound.arguments)
+    """The original forward without its logits, and the loss from the fused kernel."""
     arguments.pop("self", None)
-    extra = arguments.pop(next(n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), {})
-    labels = arguments.pop("labels", None)
-    logits_to_keep = arguments.pop("logits_to_keep", 0)
-    outputs = model._modules[backbone](**arguments, **extra)
-    hidden = outputs.last_hidden_state
-    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-        from transformers.modeling_utils import slice_logits_to_keep
-
-        hidden = slice_logits_to_keep(hidden, logits_to_keep)
+    extra: dict[str, Any] = dict(arguments.pop(varkw, {}) if varkw else {})
+    config = getattr(model, "config", None)
+    return_dict = extra.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(config, "return_dict", True)
+    labels = arguments["labels"]
+    call = {**arguments, **extra, "labels": None, "return_dict": True}
+    head_device = model.get_submodule(patch.lm_head).weight.device
+    call["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=head_device)  # no logits computed at all
+    captured: list[Any] = []
+    handle = model.get_submodule(backbone).register_forward_hook(lambda m, i, o: captured.append(o))
+    try:
+        out = original(model, **call)
+    finally:
+        handle.remove()
+    if not captured:
+        raise RuntimeError(f"{type(model).__name__}.{backbone} was not called by the forward; cannot fuse the head")
+    last = captured[-1]
+    hidden = last.last_hidden_state if hasattr(last, "last_hidden_state") else last[0]
     ignore_index = extra.get("ignore_index", -100)
     shift_labels = extra.get("shift_labels")
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    weight = model._modules[head].weight
+    weight = head_weight(model.get_submodule(patch.lm_head), f"{type(model).__name__}.{patch.lm_head}")
     loss = impl(
         hidden.reshape(-1, hidden.shape[-1]), weight, shift_labels.reshape(-1).to(hidden.device),
-        ignore_index=ignore_index, num_items_in_batch=extra.get("num_items_in_batch"), chunk_size=chunk_size,
+        ignore_index=ignore_index, num_items_in_batch=extra.get("num_items_in_batch"),
+        chunk_size=patch.chunk_size, softcap=contract.softcap(model),
     )
-    fields = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
-    output = CausalLMOutputWithPast(loss=loss, logits=None, **fields)
-    return output if return_dict is not False else output.to_tuple()
+    aux = out.get("aux_loss")
+    coef = contract.aux_coef(model)
+    if coef is not None and aux is not None:  # exactly as the forward adds it when labels are given
+        loss = loss + coef * aux.to(loss.device)
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    if return_dict is False:  # positions as the unpatched tuple, logits None (as Liger's)
+        return (loss, *(None if k == "logits" else v for k, v in out.items() if k != "loss"))
+    return type(out)(loss=loss, **fields)

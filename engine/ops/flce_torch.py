@@ -1,0 +1,195 @@
+"""The torch kernels of ``fused_linear_cross_entropy``: the reference and the chunked one.
+
+Kernel signature (every provider): ``kernel(hidden [N, H], weight [V, H], target [N], *,
+ignore_index, num_items_in_batch, chunk_size, softcap) -> loss`` (a 0-d fp32 tensor), where
+``target`` is already shifted. It computes what transformers computes after the backbone:
+``logits = hidden @ weight.T`` in the model's dtype, ``softcap * tanh(logits / softcap)``
+when the family soft-caps (Gemma 2/3), ``logits.float()``, then ``cross_entropy`` with
+``reduction="mean"``, or ``"sum"`` divided by ``num_items_in_batch`` when that is given.
+
+The chunked kernel computes the loss chunk by chunk over tokens. Because the loss is the
+last node of the graph, each chunk's gradients with respect to its hidden states and to the
+head weight are computed in the forward (Liger-Kernel's trick), so nothing of size
+``[tokens, vocab]`` outlives one chunk. Memory, per the measurements of issue 13:
+
+* one chunk's buffers at a time: the previous chunk's logits and gradient are released
+  before the next chunk's logits are allocated;
+* the log-sum-exp is formed in place (max, subtract, exp, sum) on the chunk's fp32 logits,
+  which then become the softmax and the logits' gradient, in place again;
+* the head-weight gradient accumulates *in place* (``addmm_``) in the weight's own dtype: in
+  fp32 an fp32 buffer, in bf16 a bf16 buffer (each chunk's product is accumulated in fp32
+  inside the matmul and rounded once when added; this is what Liger does without
+  ``accum_dtype``), so no fp32 ``[V, H]`` buffer or temporary exists in bf16;
+* backward scales the stored gradients in place when ``grad_output != 1`` (gradient
+  accumulation, loss scaling), so autograd still adopts the buffers as ``.grad``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "CHUNK_BUDGET_BYTES",
+    "auto_chunk_size",
+    "chunked_linear_cross_entropy",
+    "linear_cross_entropy_reference",
+]
+
+#: One chunk's fp32 logits stay under this many bytes when ``chunk_size`` is not given.
+CHUNK_BUDGET_BYTES = 128 << 20
+
+
+def auto_chunk_size(num_tokens: int, vocab: int) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits fit :data:`CHUNK_BUDGET_BYTES`."""
+    return max(1, min(num_tokens, CHUNK_BUDGET_BYTES // (4 * vocab)))
+
+
+def _denominator(target: torch.Tensor, ignore_index: int, num_items_in_batch: Any) -> float:
+    """What transformers divides the summed loss by: the valid-token count, or num_items_in_batch."""
+    if num_items_in_batch is None:
+        return float((target != ignore_index).sum())
+    return float(num_items_in_batch)
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma's final-logit soft-capping, in the logits' dtype and in transformers' order."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    num_items_in_batch: Any = None,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The ground truth: all logits materialized, exactly as transformers' forward + ``ForCausalLMLoss``."""
+    logits = _capped(F.linear(hidden, weight), softcap).float()
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _chunk_loss_and_grad(
+    h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore_index: int, denominator: float,
+    softcap: float | None, need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: its summed loss, and the gradient of ``loss / denominator`` w.r.t. its raw logits."""
+    valid = t != ignore_index
+    safe_t = torch.where(valid, t, 0).unsqueeze(1)
+    raw = F.linear(h, weight)  # as the model: head in its dtype
+    capped = _capped(raw, softcap)
+    del raw
+    z = capped.float()  # the loss in fp32 (a fresh buffer unless the model is fp32)
+    if softcap is None:
+        capped = None
+    elif z is capped:
+        z = capped.clone()  # fp32 with soft-capping: the capped logits are kept for the tanh derivative
+    m = z.amax(dim=1, keepdim=True)
+    z.sub_(m)
+    target_shifted = z.gather(1, safe_t).squeeze(1)
+    z.exp_()
+    total = z.sum(dim=1, keepdim=True)
+    token_loss = total.log().squeeze(1) - target_shifted  # lse - logit[target], without a lse temporary
+    loss_sum = token_loss.masked_fill_(~valid, 0.0).sum()
+    if not need_grad:
+        return loss_sum, None
+    # softmax / denominator for valid rows (one in-place pass), minus 1 / denominator at the target
+    row_scale = valid.to(z.dtype).unsqueeze(1) / (total * denominator)
+    grad = z.mul_(row_scale)
+    grad.scatter_add_(1, safe_t, (-valid.to(grad.dtype) / denominator).unsqueeze(1))
+    if capped is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2, tanh = capped / softcap
+        tanh = capped.float() if capped.dtype != torch.float32 else capped
+        del capped
+        grad.mul_(tanh.div_(softcap).square_().neg_().add_(1.0))
+        del tanh
+    return loss_sum, grad.to(h.dtype)  # the model's logits.float() casts its gradient back
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients, chunk by chunk, in the forward; backward hands them over."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+        ignore_index: int, denominator: float, chunk_size: int, softcap: float | None,
+    ) -> torch.Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # Ignored tokens (prompt, padding) add nothing to the loss or the gradients: only the
+        # others go through the head, as cut-cross-entropy does (less time, same numbers).
+        keep = (target != ignore_index).nonzero().squeeze(1)
+        selected = keep.numel() < target.numel()
+        rows, labels = (hidden.index_select(0, keep), target.index_select(0, keep)) if selected else (hidden, target)
+        grad_rows = (torch.empty_like(rows) if need_h else None)
+        # In the weight's dtype, accumulated in place: no fp32 [V, H] buffer or temporary in bf16.
+        grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        for start in range(0, rows.shape[0], chunk_size):
+            h = rows[start : start + chunk_size]
+            chunk_loss, grad = _chunk_loss_and_grad(
+                h, weight, labels[start : start + chunk_size], ignore_index, denominator, softcap, need_h or need_w
+            )
+            loss_sum += chunk_loss
+            if grad is not None:
+                if grad_rows is not None:
+                    torch.mm(grad, weight, out=grad_rows[start : start + chunk_size])
+                if grad_w is not None and start == 0:
+                    torch.mm(grad.t(), h, out=grad_w)  # the first chunk writes: no zero-filled [V, H] pass
+                elif grad_w is not None:
+                    grad_w.addmm_(grad.t(), h)
+            del grad, chunk_loss  # released before the next chunk's logits exist
+        if grad_w is not None and rows.shape[0] == 0:
+            grad_w.zero_()
+        grad_h = grad_rows
+        if grad_rows is not None and selected:
+            grad_h = torch.zeros_like(hidden).index_copy_(0, keep, grad_rows)
+        del grad_rows, rows
+        # Kept as attributes, not saved tensors: backward drops the last reference before returning
+        # them, so autograd adopts the buffers as .grad instead of copying a [vocab, hidden] tensor.
+        ctx.grads = (grad_h, grad_w)
+        return loss_sum / denominator
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grads = ctx.__dict__.pop("grads", None)
+        if grads is None:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: backward runs once per forward (the gradients are computed in the "
+                "forward and handed over); run the forward again instead of retain_graph=True"
+            )
+        grad_h, grad_w = grads
+        del grads
+        if not bool(grad_output == 1):  # in place: no second [V, H] buffer, and .grad still adopts it
+            if grad_h is not None:
+                grad_h.mul_(grad_output.to(grad_h.dtype))
+            if grad_w is not None:
+                grad_w.mul_(grad_output.to(grad_w.dtype))
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    num_items_in_batch: Any = None,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The ``torch`` provider: chunked over tokens, gradients computed per chunk, accumulated in place."""
+    chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    denominator = _denominator(target, ignore_index, num_items_in_batch)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, ignore_index, denominator, chunk, softcap)
