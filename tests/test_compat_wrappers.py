@@ -122,3 +122,19 @@ def test_every_entry_point_sees_through_the_wrapper(kind: str, revert_through: s
     calls.clear()
     got = _loss_and_grads(wrapper, ids)
     assert not calls and abs(got[0] - expected[0]) <= TOL and max_diff(got[1], expected[1]) <= TOL
+
+
+def test_a_forward_patched_by_another_library_is_refused_and_the_model_left_as_it_was() -> None:
+    """Another kernel library's monkey-patch (Liger-style ``partial(fn, module)``) cannot be patched beneath."""
+    import functools
+
+    def other_library_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm_reference(hidden_states, module.weight, module.variance_epsilon)
+
+    model = tiny_for("qwen3")
+    norm = model.model.layers[1].post_attention_layernorm
+    theirs = functools.partial(other_library_norm, norm)
+    norm.forward = theirs
+    with pytest.raises(engine.ForwardWrapped, match=r"model\.layers\.1\.post_attention_layernorm \(Qwen3RMSNorm\)"):
+        engine.apply(model, qwen3_patchset(), device="cpu", mode="training")
+    assert not engine.is_patched(model) and _ours(model) == 0 and norm.forward is theirs
