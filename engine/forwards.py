@@ -23,7 +23,7 @@ anything changes (:class:`~engine.errors.ForwardWrapped`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import CellType, FunctionType, MethodType
 from typing import Any
