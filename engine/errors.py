@@ -12,7 +12,9 @@ __all__ = [
     "AlreadyPatched",
     "BackwardUnsupported",
     "DeviceNotAvailable",
+    "DTensorUnsupported",
     "DeviceUnsupported",
+    "ForwardWrapped",
     "InvalidArgument",
     "KernelNotFound",
     "MissingDependency",
@@ -86,6 +88,14 @@ class DeviceNotAvailable(DeviceUnsupported):
     A subclass of :class:`DeviceUnsupported`, so ``except DeviceUnsupported`` still catches it;
     the CLI treats it as a usage error (exit 2): the command line asked for the wrong device.
     """
+
+
+class DTensorUnsupported(DeviceUnsupported):
+    """The requested kernel does not take DTensor inputs, and the target's parameters are DTensors (tensor parallel)."""
+
+
+class ForwardWrapped(PatchError, RuntimeError):
+    """A target's forward was replaced by something the engine cannot patch beneath (another library's patch)."""
 
 
 class BackwardUnsupported(PatchError, RuntimeError):

@@ -2,7 +2,9 @@
 
 Forwards are replaced on the *instances* (``module.forward = PatchedForward(fn, module, ...)``,
 see :mod:`engine.bound_forward`), never on the transformers class, so other models of the same
-class are untouched. Function patches go through :mod:`engine.routing`. Every change is
+class are untouched; where a library already wrapped an instance forward (accelerate hooks,
+transformers' tensor parallelism) the patch goes beneath the wrapper (:mod:`engine.forwards`).
+Function patches go through :mod:`engine.routing`. Every change is
 recorded before the next one is made; if any step fails, the records made so far are undone
 in reverse and the model is exactly as it was.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from torch import nn
 from engine import routing
 from engine.devices import require_present
 from engine.errors import AlreadyPatched
+from engine.forwards import ForwardInstall, bottom_slot, install
 from engine.bound_forward import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
 from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
@@ -41,18 +45,8 @@ __all__ = ["STATE_ATTR", "applied_report", "apply", "is_patched", "revert"]
 STATE_ATTR = "_patch_engine_state"
 
 
-@dataclass
-class _ForwardRecord:
-    """One instance forward replaced; undo puts back exactly what was there (or nothing)."""
-
-    module: nn.Module
-    previous: Any  # the instance attribute 'forward' before, or MISSING
-
-    def undo(self) -> None:
-        if self.previous is MISSING:
-            self.module.__dict__.pop("forward", None)
-        else:
-            self.module.__dict__["forward"] = self.previous
+#: One instance forward installed (beneath any library wrapper); undo restores what was there.
+_ForwardRecord = ForwardInstall
 
 
 @dataclass
@@ -259,8 +253,16 @@ def revert(model: nn.Module) -> bool:
     if state is None:
         return False
     state.unwatch()
-    for rec in reversed(state.records):
-        rec.undo()
+    hidden = [rec for rec in reversed(state.records) if rec.undo() is False]
+    if hidden:
+        names = ", ".join(sorted({type(rec.module).__name__ for rec in hidden}))
+        warnings.warn(
+            f"revert: {len(hidden)} patched forwards ({names}) are held inside a wrapper added after apply that "
+            "the engine cannot see through; they stay patched (they compute the same values). Remove that "
+            "wrapper before engine.revert to restore them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return True
 
 
@@ -283,6 +285,7 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
         assert provider is not None
         if isinstance(op, ModuleOp):
             module = modules[decision.path]
+            bottom_slot(module, decision.path)  # ForwardWrapped now, before anything changes
             binding = Binding(decision.path, decision.op, decision.patch, provider.name)
             forward = build_forward(module, binding, impl, provider)
             steps.append(_set_forward_step(module, PatchedForward(forward, module, binding)))
@@ -291,14 +294,14 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
             assert site is not None
             steps.append(_router_step(site.namespace, site.function))
             for caller in site.callers:
+                bottom_slot(modules[caller], caller)
                 steps.append(_route_caller_step(modules[caller], caller, decision, impl, provider))
     return steps
 
 
 def _set_forward_step(module: nn.Module, forward: PatchedForward) -> Callable[[list[Any]], None]:
     def step(records: list[Any]) -> None:
-        records.append(_ForwardRecord(module, module.__dict__.get("forward", MISSING)))
-        module.forward = forward
+        records.append(install(module, bottom_slot(module), forward))
 
     return step
 
@@ -318,12 +321,12 @@ def _route_caller_step(
     assert site is not None
 
     def step(records: list[Any]) -> None:
-        previous = module.__dict__.get("forward", MISSING)
+        slot = bottom_slot(module, path)  # beneath any library wrapper
+        previous = slot.get()
         binding = Binding(
             path, decision.op, decision.patch, provider.name, route=(site.namespace, site.function), previous=previous
         )
         forward = build_forward(module, binding, impl, provider)  # the router exists: its step ran first
-        records.append(_ForwardRecord(module, previous))
-        module.forward = PatchedForward(forward, module, binding)
+        records.append(install(module, slot, PatchedForward(forward, module, binding)))
 
     return step

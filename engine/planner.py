@@ -21,6 +21,7 @@ from torch import nn
 from engine.devices import resolve_device
 from engine.errors import (
     DeviceUnsupported,
+    DTensorUnsupported,
     InvalidArgument,
     KernelNotFound,
     MissingDependency,
@@ -32,6 +33,7 @@ from engine.errors import (
 )
 from engine.kernels import registry
 from engine.kernels.registry import KernelProvider
+from engine.placements import dtensor_parameter
 from engine.ops.base import FunctionOp, ModuleOp, get_op
 from engine.schema import Device, FunctionPatch, ModulePatch, OnUnsupported, Patchset
 
@@ -289,7 +291,10 @@ def _plan_module_patch(
         _check_drift(patch, f"{cls.__name__}.forward", cls.forward)
     for _, module in matches:
         op.check_target(module, patch)
-    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch)
+    provider, reason = resolve_kernel(
+        op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch,
+        dtensor=dtensor_parameter(model, matches),
+    )
     for path, module in matches:
         yield Decision(
             path=path, cls=type(module).__name__, op=op.name, patch_index=index,
@@ -350,18 +355,26 @@ def _original_function(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def resolve_kernel(
-    op: str, spec: Any, device: Device, mode: Mode, on_unsupported: OnUnsupported, *, patch: Any = None
+    op: str, spec: Any, device: Device, mode: Mode, on_unsupported: OnUnsupported, *, patch: Any = None,
+    dtensor: str | None = None,
 ) -> tuple[KernelProvider | None, str]:
     """Pick the provider for ``op`` on ``device``: ``(provider or None if skipped, why)``.
 
-    ``patch`` (optional) lets a provider refuse settings whose numerics it does not reproduce.
+    ``patch`` (optional) lets a provider refuse settings whose numerics it does not reproduce;
+    ``dtensor`` (optional, from :func:`engine.placements.dtensor_parameter`) names a DTensor
+    parameter of the targets, which only providers declaring ``dtensor=True`` accept.
     """
     choice = spec if isinstance(spec, str) else spec.get(device, "auto")
     if choice == "auto":
-        return _resolve_auto(op, device, mode, patch)
+        return _resolve_auto(op, device, mode, patch, dtensor)
     provider = registry.get(choice, op)
     problem: Exception | None = None
-    if device not in provider.devices:
+    if dtensor is not None and not provider.dtensor:
+        problem = DTensorUnsupported(
+            f"{choice} does not take DTensor inputs, and {dtensor} (tensor parallel); "
+            "choose a kernel that does (torch) or `kernel: auto`, which picks one."
+        )
+    elif device not in provider.devices:
         problem = DeviceUnsupported(f"{choice} requires {provider.device_list()}, current accelerator is {device.value}.")
     elif mode == "training" and not provider.has_backward:
         problem = DeviceUnsupported(
@@ -391,7 +404,9 @@ def _unfit(provider: KernelProvider, patch: Any) -> str | None:
     return provider.supports(patch)
 
 
-def _resolve_auto(op: str, device: Device, mode: Mode, patch: Any = None) -> tuple[KernelProvider, str]:
+def _resolve_auto(
+    op: str, device: Device, mode: Mode, patch: Any = None, dtensor: str | None = None
+) -> tuple[KernelProvider, str]:
     passed: list[str] = []
     for name in registry.AUTO_ORDER.get(device, ("torch",)):
         try:
@@ -399,6 +414,9 @@ def _resolve_auto(op: str, device: Device, mode: Mode, patch: Any = None) -> tup
         except KernelNotFound:
             continue
         if device not in provider.devices:
+            continue
+        if dtensor is not None and not provider.dtensor:
+            passed.append(f"{name}: takes no DTensor inputs ({dtensor})")
             continue
         if mode == "training" and not provider.has_backward:
             passed.append(f"{name}: no backward")

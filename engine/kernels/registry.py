@@ -82,6 +82,10 @@ class KernelProvider:
         compile_safe: whether ``torch.compile`` can trace it without an error.
         supports: ``supports(patch) -> None`` if the provider reproduces the patch's declared
             numerics, else the reason it does not (``kernel: auto`` then passes it over).
+        dtensor: whether it takes ``DTensor`` inputs (tensor-parallel parameters). Vendor
+            kernels are raw pointers into local memory and do not (Liger's failed on DTensor
+            under TP); ``auto`` passes such a provider over for a target with DTensor
+            parameters, and naming it explicitly is a plan-time error.
     """
 
     name: str
@@ -93,6 +97,7 @@ class KernelProvider:
     compile_safe: bool = True
     description: str = ""
     supports: Callable[[Any], str | None] | None = None
+    dtensor: bool = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Providers are registry singletons whose `build` may be a lambda: pickle the name.

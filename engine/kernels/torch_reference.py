@@ -23,6 +23,7 @@ def register_references() -> None:
                 devices=ALL_DEVICES,
                 build=op.reference,
                 description=op.reference_description,
+                dtensor=True,  # plain torch ops dispatch on DTensor
             )
         )
 
