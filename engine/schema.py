@@ -27,7 +27,12 @@ __all__ = [
     "FunctionPatch",
     "FusedLinearCrossEntropyPatch",
     "GateOrder",
+    "GatedMlpPatch",
     "GatedRmsNormPatch",
+    "GateUpOrder",
+    "GegluPatch",
+    "GeluApproximate",
+    "LayerNormPatch",
     "KernelSpec",
     "LinearAttentionPatch",
     "ModulePatch",
@@ -38,6 +43,7 @@ __all__ = [
     "Precision",
     "Requires",
     "RmsNormPatch",
+    "RopeLayout",
     "RopePatch",
     "Scale",
     "SwigluPatch",
@@ -239,22 +245,95 @@ class GatedRmsNormPatch(ModulePatch):
         return self
 
 
-class SwigluPatch(ModulePatch):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` with three linear projections."""
+class GateUpOrder(StrEnum):
+    """Which half of a fused ``gate_up_proj`` output is the gate: ``a, b = out.chunk(2, -1)``."""
 
-    op: Literal["swiglu"]
-    activation: Literal[Activation.silu] = Activation.silu
+    gate_up = "gate_up"  # first half gate, second half up (Phi-3, GLM, GLM-4)
+    up_gate = "up_gate"  # first half up, second half gate
+
+
+class GatedMlpPatch(ModulePatch):
+    """Gated MLPs ``down(act(gate(x)) * up(x))``: gate_proj and up_proj, or one fused gate_up_proj."""
+
     gate_proj: str = "gate_proj"
     up_proj: str = "up_proj"
     down_proj: str = "down_proj"
-    act_attr: str = Field(default="act_fn", description="Attribute holding the activation module; checked to be SiLU.")
+    gate_up_proj: str | None = Field(default=None, description="A fused [gate, up] projection (Phi-3, GLM-4).")
+    chunk_order: GateUpOrder = Field(default=GateUpOrder.gate_up, description="With gate_up_proj: the gate's half.")
+    act_attr: str = Field(default="act_fn", description="Attribute holding the activation module; checked numerically.")
+
+    @model_validator(mode="after")
+    def _fused_or_split(self) -> GatedMlpPatch:
+        # Judged by values, not by which keys were written, so a dumped patch reloads unchanged.
+        if self.gate_up_proj is None:
+            if self.chunk_order is not GateUpOrder.gate_up:
+                raise ValueError("chunk_order applies only with gate_up_proj (a fused gate and up projection)")
+            return self
+        split = [k for k in ("gate_proj", "up_proj") if getattr(self, k) != k]  # each defaults to its own name
+        if split:
+            raise ValueError(f"set either gate_up_proj (one fused projection) or {' and '.join(split)}, not both")
+        return self
+
+
+class SwigluPatch(GatedMlpPatch):
+    """Gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    op: Literal["swiglu"]
+    activation: Literal[Activation.silu] = Activation.silu
+
+
+class GeluApproximate(StrEnum):
+    """Which GELU a GeGLU MLP's gate goes through (as ``torch.nn.functional.gelu`` names it)."""
+
+    tanh = "tanh"  # gelu_pytorch_tanh (Gemma 1/2/3/4)
+    none = "none"  # the exact erf GELU ("gelu")
+
+
+class GegluPatch(GatedMlpPatch):
+    """GeGLU MLP: ``down(gelu(gate(x)) * up(x))`` (Gemma's ``gelu_pytorch_tanh``)."""
+
+    op: Literal["geglu"]
+    approximate: GeluApproximate = Field(default=GeluApproximate.tanh, description="tanh (gelu_pytorch_tanh) or none.")
+
+
+class LayerNormPatch(ModulePatch):
+    """LayerNorm over the last dimension, bias optional (vision towers: ``target: LayerNorm``; Nemotron: 1 + w)."""
+
+    op: Literal["layer_norm"]
+    scale: Scale = Field(default=Scale.weight, description="weight or one_plus_weight (Nemotron's LayerNorm1P).")
+    eps_attr: str = Field(default="eps", description="Attribute of the module holding eps.")
+    weight_attr: str = Field(default="weight", description="Attribute of the module holding the weight.")
+    bias_attr: str = Field(default="bias", description="Attribute holding the bias (None there: no bias).")
+
+
+class RopeLayout(StrEnum):
+    """How a rotary function pairs the features it rotates."""
+
+    half = "half"  # x * cos + rotate_half(x) * sin: feature i pairs with i + d/2 (llama, qwen, Qwen-VL mrope)
+    interleaved = "interleaved"  # pairs (x0, x1), (x2, x3), ... rotated in place (GLM, GLM-4)
+    interleaved_to_half = "interleaved_to_half"  # interleaved pairs in, [evens | odds] out (DeepSeek V3)
+    complex = "complex"  # pairs as complex numbers times freqs_cis: f(xq, xk, freqs_cis) (Llama 4)
 
 
 class RopePatch(FunctionPatch):
-    """Rotary embedding applied to q and k: ``x * cos + rotate_half(x) * sin`` (half-split)."""
+    """Rotary embedding applied to q and k, in one of the :class:`RopeLayout` layouts."""
 
     op: Literal["rope"]
     function: str = "apply_rotary_pos_emb"
+    layout: RopeLayout = Field(default=RopeLayout.half, description="half, interleaved, interleaved_to_half, complex.")
+    upcast: bool = Field(default=False, description="Rotate in fp32 and cast back (the Qwen-VL vision functions).")
+    unsqueeze_dim: int = Field(default=1, description="Default head dimension of cos/sin (-2: the vision functions).")
+
+    @model_validator(mode="after")
+    def _settings_of_layout(self) -> RopePatch:
+        if self.layout in (RopeLayout.interleaved_to_half, RopeLayout.complex):
+            given = [k for k, default in (("upcast", False), ("unsqueeze_dim", 1)) if getattr(self, k) != default]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} apply to layouts half and interleaved only; "
+                    f"layout {self.layout.value} follows its function's own signature"
+                )
+        return self
 
 
 class DeltaRule(StrEnum):
@@ -337,7 +416,14 @@ class MoeExpertsPatch(ModulePatch):
 
 
 Patch = Annotated[
-    RmsNormPatch | GatedRmsNormPatch | SwigluPatch | RopePatch | LinearAttentionPatch | FusedLinearCrossEntropyPatch
+    RmsNormPatch
+    | GatedRmsNormPatch
+    | SwigluPatch
+    | GegluPatch
+    | LayerNormPatch
+    | RopePatch
+    | LinearAttentionPatch
+    | FusedLinearCrossEntropyPatch
     | MoeExpertsPatch,
     Field(discriminator="op"),
 ]
