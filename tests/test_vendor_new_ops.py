@@ -19,9 +19,10 @@ from npu_emulator import make_torch_npu
 from test_liger_fla import _interpret
 
 import engine
+from engine import devices
 from engine.kernels import registry
 from engine.loader import load_patchset
-from engine.schema import GegluPatch, LayerNormPatch, RopePatch
+from engine.schema import Device, GegluPatch, LayerNormPatch, RopePatch
 from engine.verification import probe_batch
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -32,6 +33,10 @@ needs_liger = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not inst
 def torch_npu(monkeypatch: pytest.MonkeyPatch):
     module = make_torch_npu()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
+    # The emulated NPU counts as present for apply's device check (tensors stay on the CPU), as in
+    # tests/test_npu_provider.py.
+    present = devices.is_present
+    monkeypatch.setattr(devices, "is_present", lambda device: device is Device.npu or present(device))
     return module
 
 
@@ -108,7 +113,7 @@ def test_liger_kernels_under_triton_interpreter() -> None:
         """
         import json, torch
         from engine.kernels import registry
-        from engine.schema import GegluPatch, LayerNormPatch, RopePatch
+        from engine.schema import Device, GegluPatch, LayerNormPatch, RopePatch
         res = {}
         def diff(a, b):
             return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
