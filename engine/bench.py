@@ -118,6 +118,28 @@ def bench_ops(repeats: int, quick: bool) -> list[dict[str, Any]]:
             t = _interleaved({"eager": lambda: mlp.act_fn(gate) * up, "patched": lambda: fn(gate, up)}, repeats)
         moved = 3 * gate.numel() * gate.element_size()
         rows.append(_op_row("swiglu", f"act_fn(gate) * up {tokens}x{inter}", dtype, kernel, t, moved))
+    rows += _bench_geglu(repeats, tokens, inter)
+    return rows
+
+
+def _bench_geglu(repeats: int, tokens: int, inter: int) -> list[dict[str, Any]]:
+    """gelu_pytorch_tanh(gate) * up, as GemmaMLP computes it, eager vs the kernel ``auto`` picks."""
+    from engine.kernels.registry import get
+    from engine.planner import resolve_kernel
+    from engine.schema import Device, GegluPatch, OnUnsupported
+
+    rows = []
+    patch = GegluPatch(target="GemmaMLP", op="geglu")
+    provider, _ = resolve_kernel("geglu", "auto", Device.cpu, "inference", OnUnsupported.error, patch=patch)
+    fn = get(provider.name, "geglu").build(patch)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up = torch.randn(tokens, inter).to(dtype), torch.randn(tokens, inter).to(dtype)
+        eager = torch.nn.functional.gelu
+        with torch.no_grad():
+            t = _interleaved({"eager": lambda: eager(gate, approximate="tanh") * up, "patched": lambda: fn(gate, up)},
+                             repeats)
+        moved = 3 * gate.numel() * gate.element_size()
+        rows.append(_op_row("geglu", f"gelu_tanh(gate) * up {tokens}x{inter}", dtype, provider.name, t, moved))
     return rows
 
 

@@ -66,6 +66,9 @@ class Decision:
     patch: Any = field(repr=False, compare=False)
     provider: KernelProvider | None = field(default=None, repr=False, compare=False)
     site: FunctionSite | None = field(default=None, repr=False, compare=False)
+    #: The nested pretrained model the module sits under (``model.visual``, ``model.language_model``),
+    #: for a function the ones its callers sit under; ``""`` for the root (see engine.submodels).
+    sub_model: str = ""
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ def plan(
                 raise TypeError(f"op {patch.op!r} is neither a module nor a function op")
         except PatchError as exc:
             raise _located(exc, patchset, index) from None
+    decisions = _with_sub_models(model, decisions)
     return Plan(patchset=patchset, device=dev, mode=run_mode, model_type=model_type, decisions=tuple(decisions))
 
 
@@ -173,6 +177,21 @@ def check_mode(mode: Any) -> Mode | None:
         f"mode={mode!r} is not a mode; use mode='training' (kernels need a backward) or mode='inference', "
         f"or leave it unset to follow model.training{hint}"
     )
+
+
+def _with_sub_models(model: nn.Module, decisions: list[Decision]) -> list[Decision]:
+    """Each decision with the sub-model (language model, vision tower) it belongs to."""
+    from dataclasses import replace
+
+    from engine.submodels import sub_model_of, sub_model_paths
+
+    roots = sub_model_paths(model)
+    out = []
+    for d in decisions:
+        paths = d.site.callers if d.site is not None else (d.path,)
+        owners = dict.fromkeys(sub_model_of(p, roots) for p in paths if p != "-")
+        out.append(replace(d, sub_model=", ".join(o or "<root>" for o in owners)))
+    return out
 
 
 def _check_model_type(model: nn.Module, patchset: Patchset) -> str:

@@ -31,23 +31,32 @@ def from_files(files: Sequence[str]) -> str:
     return text
 
 
-def _grouped(decisions: Iterable[Decision]) -> list[tuple[str, str, str, str, int, str]]:
-    groups: dict[tuple[str, str, str, str, str], int] = {}
+def _grouped(decisions: Iterable[Decision], with_sub_model: bool) -> list[tuple[Any, ...]]:
+    groups: dict[tuple[str, ...], int] = {}
     for d in decisions:
         # functions read as `modeling_qwen3.apply_rotary_pos_emb`, not the whole dotted module path
         target = d.cls if d.cls != "function" else ".".join(d.path.rsplit(".", 2)[-2:])
-        key = (target, d.op, d.kernel or "-", d.action, d.reason)
+        key = ((d.sub_model or "-",) if with_sub_model else ()) + (target, d.op, d.kernel or "-", d.action, d.reason)
         groups[key] = groups.get(key, 0) + 1
-    return [(t, op, k, a, n, why) for (t, op, k, a, why), n in groups.items()]
+    return [(*key[:-1], n, key[-1]) for key, n in groups.items()]
+
+
+def _has_sub_models(decisions: Sequence[Decision]) -> bool:
+    """Show the sub-model column only for composite models (more than one sub-model involved)."""
+    return len({d.sub_model for d in decisions} - {"", "<root>"}) > 1
 
 
 def format_decisions(decisions: Iterable[Decision], *, detail: bool = False) -> str:
+    decisions = list(decisions)
+    sub = _has_sub_models(decisions)
+    first = ("sub-model",) if sub else ()
     if detail:
         return format_table(
-            ("module", "class", "op", "kernel", "decision", "why"),
-            ((d.path, d.cls, d.op, d.kernel or "-", d.action, d.reason) for d in decisions),
+            (*first, "module", "class", "op", "kernel", "decision", "why"),
+            (((d.sub_model or "-",) if sub else ()) + (d.path, d.cls, d.op, d.kernel or "-", d.action, d.reason)
+             for d in decisions),
         )
-    return format_table(("target", "op", "kernel", "decision", "modules", "why"), _grouped(decisions))
+    return format_table((*first, "target", "op", "kernel", "decision", "modules", "why"), _grouped(decisions, sub))
 
 
 @dataclass
@@ -102,7 +111,8 @@ class Report:
             "device": self.device,
             "mode": self.mode,
             "decisions": [
-                {"path": d.path, "class": d.cls, "op": d.op, "kernel": d.kernel, "action": d.action, "reason": d.reason}
+                {"path": d.path, "class": d.cls, "op": d.op, "kernel": d.kernel, "action": d.action, "reason": d.reason,
+                 "sub_model": d.sub_model}
                 for d in self.decisions
             ],
             "compile_disabled": self.compile_disabled,

@@ -12,9 +12,27 @@ ops name a ``target`` class; function ops name a module-level ``function``.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from engine.schema_common import (
+    Activation,
+    CastOrder,
+    Device,
+    FunctionPatch,
+    GateOrder,
+    KernelName,
+    KernelSpec,
+    ModulePatch,
+    OnUnsupported,
+    PatchBase,
+    Precision,
+    Requires,
+    Scale,
+    StrictModel,
+    _check_kernel_names,
+)
 
 __all__ = [
     "Activation",
@@ -28,7 +46,12 @@ __all__ = [
     "FusedCrossEntropy",
     "FusedLinearCrossEntropyPatch",
     "GateOrder",
+    "GatedMlpPatch",
     "GatedRmsNormPatch",
+    "GateUpOrder",
+    "GegluPatch",
+    "GeluApproximate",
+    "LayerNormPatch",
     "KernelSpec",
     "LinearAttentionPatch",
     "ModulePatch",
@@ -39,160 +62,13 @@ __all__ = [
     "Precision",
     "Requires",
     "RmsNormPatch",
+    "RopeLayout",
     "RopePatch",
     "Scale",
     "SwigluPatch",
 ]
 
 
-class StrictModel(BaseModel):
-    """Base of every schema model: unknown keys are errors, instances are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
-
-
-class Device(StrEnum):
-    """Accelerator types a kernel can be chosen for."""
-
-    cpu = "cpu"
-    cuda = "cuda"
-    npu = "npu"
-    xpu = "xpu"
-    mps = "mps"
-
-
-class OnUnsupported(StrEnum):
-    """What to do when an explicitly named kernel cannot run on the plan's device."""
-
-    error = "error"  # raise DeviceUnsupported before anything is patched
-    skip = "skip"  # leave that target unpatched, and say so in the report
-    fallback = "fallback"  # use the torch reference kernel, and say so in the report
-
-
-class Scale(StrEnum):
-    """How a norm applies its weight. Declared, never guessed from values or names."""
-
-    weight = "weight"  # y = w * x_hat          (llama, qwen3, mistral, olmo2, ...)
-    one_plus_weight = "one_plus_weight"  # y = (1 + w) * x_hat  (gemma, qwen3_next, qwen3_5, ...)
-
-
-class CastOrder(StrEnum):
-    """Where a norm casts back to the input dtype relative to the weight multiply."""
-
-    llama = "llama"  # normalize in fp32, cast to the input dtype, then multiply by the weight
-    fp32 = "fp32"  # multiply by the weight in fp32, cast to the input dtype last (gemma, olmo2, gpt_oss)
-
-
-class Precision(StrEnum):
-    """Where the kernel's math runs."""
-
-    native = "native"  # as the cast order says
-    fp32 = "fp32"  # force every step into fp32; the output is cast back to the input dtype
-
-
-class Activation(StrEnum):
-    """Gate activations of SwiGLU-style MLPs and gated norms."""
-
-    silu = "silu"
-    sigmoid = "sigmoid"
-
-
-class GateOrder(StrEnum):
-    """Where a gated norm applies its gate relative to the normalization."""
-
-    norm_then_gate = "norm_then_gate"  # y = norm(x) * act(gate)   (qwen3_next, qwen3_5, kimi_linear, falcon_h1)
-    gate_then_norm = "gate_then_norm"  # y = norm(x * act(gate))   (mamba2, bamba, zamba2, nemotron_h)
-
-
-KernelName = Annotated[
-    str,
-    Field(
-        min_length=1,
-        description="A registered kernel provider name (see `patch-engine kernels`).",
-    ),
-]
-
-#: ``auto`` (the first provider that supports the device), one name for every device, or a
-#: map from device to name. Devices missing from the map use ``auto``.
-KernelSpec = Union[Literal["auto"], KernelName, dict[Device, KernelName]]
-
-
-def _check_kernel_names(value: Any) -> Any:
-    """Refuse kernel names no provider is registered under, listing the known ones.
-
-    Checked against :mod:`engine.kernel_names` (a torch-free table), so validating a file
-    imports no kernel; whether the named kernel serves the op on the device is the planner's check.
-    """
-    from engine import kernel_names
-
-    names = [value] if isinstance(value, str) else list(value.values()) if isinstance(value, dict) else []
-    known = kernel_names.known()
-    for name in names:
-        if name != "auto" and name not in known:
-            raise ValueError(f"unknown kernel {name!r}; known kernels: auto, {', '.join(sorted(known))}")
-    return value
-
-
-class Requires(StrictModel):
-    """Library versions the patchset was written and verified against (PEP 440 ranges)."""
-
-    transformers: str | None = Field(default=None, description="e.g. '>=5.0,<6'")
-
-    @field_validator("transformers")
-    @classmethod
-    def _valid_specifier(cls, value: str | None) -> str | None:
-        if value is not None:
-            from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
-            try:
-                SpecifierSet(value)
-            except InvalidSpecifier as exc:
-                raise ValueError(f"{value!r} is not a PEP 440 version range such as '>=5.0,<6'") from exc
-        return value
-
-
-class PatchBase(StrictModel):
-    """Settings every patch has, whatever its op."""
-
-    kernel: KernelSpec = Field(default="auto", description="auto, a kernel name, or {device: kernel name}.")
-    optional: bool = Field(
-        default=False,
-        description="Allow the target to match nothing. Off by default: a patch that patches nothing is an error.",
-    )
-    signature: str | None = Field(
-        default=None,
-        description=(
-            "Pin of the target's forward (or function) signature as inspect.signature prints it, e.g. "
-            "'(self, hidden_states: torch.Tensor) -> torch.Tensor'. The planner refuses when the installed "
-            "library's differs, and says what changed."
-        ),
-    )
-
-    @field_validator("kernel")
-    @classmethod
-    def _known_kernels(cls, value: Any) -> Any:
-        return _check_kernel_names(value)
-
-    @field_validator("signature")
-    @classmethod
-    def _parsable_signature(cls, value: str | None) -> str | None:
-        if value is not None:
-            from engine.drift import parse_signature
-
-            parse_signature(value)  # ValueError says what a signature looks like
-        return value
-
-
-class ModulePatch(PatchBase):
-    """A patch that replaces the forward of every module of a class (per instance)."""
-
-    target: str = Field(min_length=1, description="Class name, matched over model.named_modules().")
-
-
-class FunctionPatch(PatchBase):
-    """A patch that replaces a module-level function of the model's modeling module, for this model only."""
-
-    function: str = Field(min_length=1, description="Name of the function in the model's modeling module.")
 
 
 class RmsNormPatch(ModulePatch):
@@ -240,22 +116,95 @@ class GatedRmsNormPatch(ModulePatch):
         return self
 
 
-class SwigluPatch(ModulePatch):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` with three linear projections."""
+class GateUpOrder(StrEnum):
+    """Which half of a fused ``gate_up_proj`` output is the gate: ``a, b = out.chunk(2, -1)``."""
 
-    op: Literal["swiglu"]
-    activation: Literal[Activation.silu] = Activation.silu
+    gate_up = "gate_up"  # first half gate, second half up (Phi-3, GLM, GLM-4)
+    up_gate = "up_gate"  # first half up, second half gate
+
+
+class GatedMlpPatch(ModulePatch):
+    """Gated MLPs ``down(act(gate(x)) * up(x))``: gate_proj and up_proj, or one fused gate_up_proj."""
+
     gate_proj: str = "gate_proj"
     up_proj: str = "up_proj"
     down_proj: str = "down_proj"
-    act_attr: str = Field(default="act_fn", description="Attribute holding the activation module; checked to be SiLU.")
+    gate_up_proj: str | None = Field(default=None, description="A fused [gate, up] projection (Phi-3, GLM-4).")
+    chunk_order: GateUpOrder = Field(default=GateUpOrder.gate_up, description="With gate_up_proj: the gate's half.")
+    act_attr: str = Field(default="act_fn", description="Attribute holding the activation module; checked numerically.")
+
+    @model_validator(mode="after")
+    def _fused_or_split(self) -> GatedMlpPatch:
+        # Judged by values, not by which keys were written, so a dumped patch reloads unchanged.
+        if self.gate_up_proj is None:
+            if self.chunk_order is not GateUpOrder.gate_up:
+                raise ValueError("chunk_order applies only with gate_up_proj (a fused gate and up projection)")
+            return self
+        split = [k for k in ("gate_proj", "up_proj") if getattr(self, k) != k]  # each defaults to its own name
+        if split:
+            raise ValueError(f"set either gate_up_proj (one fused projection) or {' and '.join(split)}, not both")
+        return self
+
+
+class SwigluPatch(GatedMlpPatch):
+    """Gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    op: Literal["swiglu"]
+    activation: Literal[Activation.silu] = Activation.silu
+
+
+class GeluApproximate(StrEnum):
+    """Which GELU a GeGLU MLP's gate goes through (as ``torch.nn.functional.gelu`` names it)."""
+
+    tanh = "tanh"  # gelu_pytorch_tanh (Gemma 1/2/3/4)
+    none = "none"  # the exact erf GELU ("gelu")
+
+
+class GegluPatch(GatedMlpPatch):
+    """GeGLU MLP: ``down(gelu(gate(x)) * up(x))`` (Gemma's ``gelu_pytorch_tanh``)."""
+
+    op: Literal["geglu"]
+    approximate: GeluApproximate = Field(default=GeluApproximate.tanh, description="tanh (gelu_pytorch_tanh) or none.")
+
+
+class LayerNormPatch(ModulePatch):
+    """LayerNorm over the last dimension, bias optional (vision towers: ``target: LayerNorm``; Nemotron: 1 + w)."""
+
+    op: Literal["layer_norm"]
+    scale: Scale = Field(default=Scale.weight, description="weight or one_plus_weight (Nemotron's LayerNorm1P).")
+    eps_attr: str = Field(default="eps", description="Attribute of the module holding eps.")
+    weight_attr: str = Field(default="weight", description="Attribute of the module holding the weight.")
+    bias_attr: str = Field(default="bias", description="Attribute holding the bias (None there: no bias).")
+
+
+class RopeLayout(StrEnum):
+    """How a rotary function pairs the features it rotates."""
+
+    half = "half"  # x * cos + rotate_half(x) * sin: feature i pairs with i + d/2 (llama, qwen, Qwen-VL mrope)
+    interleaved = "interleaved"  # pairs (x0, x1), (x2, x3), ... rotated in place (GLM, GLM-4)
+    interleaved_to_half = "interleaved_to_half"  # interleaved pairs in, [evens | odds] out (DeepSeek V3)
+    complex = "complex"  # pairs as complex numbers times freqs_cis: f(xq, xk, freqs_cis) (Llama 4)
 
 
 class RopePatch(FunctionPatch):
-    """Rotary embedding applied to q and k: ``x * cos + rotate_half(x) * sin`` (half-split)."""
+    """Rotary embedding applied to q and k, in one of the :class:`RopeLayout` layouts."""
 
     op: Literal["rope"]
     function: str = "apply_rotary_pos_emb"
+    layout: RopeLayout = Field(default=RopeLayout.half, description="half, interleaved, interleaved_to_half, complex.")
+    upcast: bool = Field(default=False, description="Rotate in fp32 and cast back (the Qwen-VL vision functions).")
+    unsqueeze_dim: int = Field(default=1, description="Default head dimension of cos/sin (-2: the vision functions).")
+
+    @model_validator(mode="after")
+    def _settings_of_layout(self) -> RopePatch:
+        if self.layout in (RopeLayout.interleaved_to_half, RopeLayout.complex):
+            given = [k for k, default in (("upcast", False), ("unsqueeze_dim", 1)) if getattr(self, k) != default]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} apply to layouts half and interleaved only; "
+                    f"layout {self.layout.value} follows its function's own signature"
+                )
+        return self
 
 
 class DeltaRule(StrEnum):
@@ -315,7 +264,6 @@ class FusedCrossEntropy(StrictModel):
         return _check_kernel_names(value)
 
 
-
 class ExpertsLayout(StrEnum):
     """Where gate and up sit in the fused gate_up projection's output features."""
 
@@ -352,7 +300,14 @@ class MoeExpertsPatch(ModulePatch):
 
 
 Patch = Annotated[
-    RmsNormPatch | GatedRmsNormPatch | SwigluPatch | RopePatch | LinearAttentionPatch | FusedLinearCrossEntropyPatch
+    RmsNormPatch
+    | GatedRmsNormPatch
+    | SwigluPatch
+    | GegluPatch
+    | LayerNormPatch
+    | RopePatch
+    | LinearAttentionPatch
+    | FusedLinearCrossEntropyPatch
     | MoeExpertsPatch,
     Field(discriminator="op"),
 ]

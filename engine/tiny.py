@@ -17,7 +17,16 @@ from torch import nn
 
 from engine.errors import InvalidArgument, PatchsetError
 
-__all__ = ["build_tiny_for", "build_tiny_model", "check_tiny_config", "perturb_", "tiny_config_kwargs"]
+__all__ = [
+    "build_tiny_for",
+    "build_tiny_model",
+    "check_tiny_config",
+    "image_features",
+    "is_composite",
+    "perturb_",
+    "tiny_config_kwargs",
+    "tiny_vision_inputs",
+]
 
 #: Config keys that count or size something: a tiny model needs them positive.
 _POSITIVE = re.compile(r"^num_\w*(layers|heads|experts)$|_size$|_dim$|^max_position_embeddings$")
@@ -51,6 +60,48 @@ def perturb_(model: nn.Module, *, seed: int = 0, scale: float = 0.2) -> nn.Modul
     return model
 
 
+def _composite_kwargs(config_class: type, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of a composite config: the tiny base sizes go to ``text_config``.
+
+    Why: a composite model (Qwen2-VL, LLaVA, PaliGemma, Gemma 3, ...) takes its language
+    model's sizes under ``text_config`` and its vision tower's under ``vision_config``; the
+    base sizes are for a language model, so they apply to ``text_config`` only, and a
+    patchset's ``tiny_model.config`` gives the vision tower's sizes itself.
+    """
+    kwargs = dict(overrides)
+    kwargs["text_config"] = tiny_config_kwargs(overrides.get("text_config"))
+    return kwargs
+
+
+def is_composite(config_class: type) -> bool:
+    """Whether configs of this class hold a ``text_config`` (a multimodal composite model)."""
+    return "text_config" in (getattr(config_class, "sub_configs", None) or {})
+
+
+def _transformers_classes(model_type: str, composite: bool) -> tuple[Any, Any]:
+    """transformers' own config and model classes for ``model_type``.
+
+    Why not the Auto classes: a package may register its own model under a transformers model
+    type (flash-linear-attention registers its Mamba2 as ``mamba2`` when imported), and the
+    Auto mappings then build that one. The static name tables name transformers' classes.
+    """
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    config_name = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
+    tables = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    if composite:
+        tables.insert(0, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    model_name = next((t[model_type] for t in tables if model_type in t), None)
+    config_cls = getattr(transformers, config_name, None) if config_name else None
+    model_cls = getattr(transformers, model_name, None) if isinstance(model_name, str) else None
+    if config_cls is None or model_cls is None:  # a type registered from outside transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoConfig.for_model(model_type).__class__, AutoModelForCausalLM
+    return config_cls, model_cls
+
+
 def build_tiny_model(
     model_type: str,
     config: dict[str, Any] | None = None,
@@ -60,15 +111,26 @@ def build_tiny_model(
     perturb: bool = True,
     attn_implementation: str | None = "eager",
 ) -> nn.Module:
-    """A causal LM of ``model_type`` with the tiny base sizes plus ``config`` overrides."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A causal LM of ``model_type`` with the tiny base sizes plus ``config`` overrides.
+
+    For a composite (multimodal) type the whole model is built (language model and vision
+    tower): the base sizes go to ``text_config``, and ``config`` may give ``text_config`` and
+    ``vision_config`` dicts.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     torch.manual_seed(seed)
-    kwargs = tiny_config_kwargs(config)
-    cfg = AutoConfig.for_model(model_type, **kwargs)
+    composite = is_composite(CONFIG_MAPPING[model_type])
+    config_cls, model_cls = _transformers_classes(model_type, composite)
+    kwargs = _composite_kwargs(config_cls, config or {}) if composite else tiny_config_kwargs(config)
+    cfg = config_cls(**kwargs)
     if attn_implementation is not None:
         cfg._attn_implementation = attn_implementation
-    model = AutoModelForCausalLM.from_config(cfg)
+        for name in getattr(type(cfg), "sub_configs", None) or {}:
+            sub = getattr(cfg, name, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                sub._attn_implementation = attn_implementation
+    model = model_cls._from_config(cfg) if hasattr(model_cls, "_from_config") else model_cls.from_config(cfg)
     if perturb:
         perturb_(model, seed=seed)
     return model.to(dtype)
@@ -141,3 +203,59 @@ def build_tiny_for(
             f"Fix the values (keyword arguments of AutoConfig.for_model({mt!r}))", file=file, key="tiny_model.config",
         ) from exc
     return model
+
+
+def tiny_vision_inputs(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Tensor] | None:
+    """Random pixel inputs for a composite model's ``get_image_features``, or None without a vision tower.
+
+    Two conventions exist, read off ``vision_config``: Qwen-VL towers take flattened patches
+    ``(patches, channels * temporal_patch_size * patch_size**2)`` with ``image_grid_thw``
+    (one image of 2 x 2 merged patches here); the others (SigLIP, CLIP, InternViT) take
+    ``(1, channels, image_size, image_size)``, tiled ones (mllama: ``max_num_tiles``) one
+    image of one tile with its aspect-ratio inputs. A tower of none of these kinds gets None.
+    """
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is None:
+        return None
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    if hasattr(vision, "temporal_patch_size"):
+        merge = int(getattr(vision, "spatial_merge_size", 1))
+        channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
+        side = 2 * merge
+        width = channels * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        pixels = torch.randn(side * side, width, generator=gen)
+        return {"pixel_values": pixels.to(dtype), "image_grid_thw": torch.tensor([[1, side, side]])}
+    image_size = getattr(vision, "image_size", None)
+    if image_size is None:  # a tower that takes other inputs (e.g. patches with 2-D position ids)
+        return None
+    size = image_size if isinstance(image_size, int) else image_size[0]
+    channels = int(getattr(vision, "num_channels", 3))
+    tiles = getattr(vision, "max_num_tiles", None)
+    if isinstance(tiles, int):  # tiled images (mllama): one image of one tile, aspect ratio 1x1
+        pixels = torch.randn(1, 1, tiles, channels, size, size, generator=gen).to(dtype)
+        mask = torch.zeros(1, 1, tiles, dtype=torch.long)
+        mask[..., 0] = 1
+        return {"pixel_values": pixels, "aspect_ratio_ids": torch.ones(1, 1, dtype=torch.long),
+                "aspect_ratio_mask": mask}
+    return {"pixel_values": torch.randn(1, channels, size, size, generator=gen).to(dtype)}
+
+
+def image_features(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The vision tower's output for ``inputs`` (from :func:`tiny_vision_inputs`), as one tensor.
+
+    Calls the composite model's own ``get_image_features`` (on the model, or on its inner
+    ``model``), so the tower runs exactly as in a multimodal forward; without one (mllama),
+    its ``vision_model``.
+    """
+    owner = model if hasattr(model, "get_image_features") else getattr(model, "model", model)
+    if hasattr(owner, "get_image_features"):
+        out = owner.get_image_features(**inputs)
+    else:  # a composite without the helper (mllama): its vision model directly
+        out = owner.vision_model(**inputs)
+    feats = getattr(out, "pooler_output", None)
+    if feats is None:
+        feats = getattr(out, "last_hidden_state", out)
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat([f.reshape(-1) for f in feats])
+    return feats

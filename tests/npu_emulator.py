@@ -6,7 +6,10 @@ our provider, so that a wrong argument mapping in the provider shows up as wrong
 * ``npu_rms_norm(x, gamma, epsilon=1e-6) -> (y, rstd)`` with
   ``rstd = rsqrt(mean(x^2, -1) + eps)`` and ``y = x * rstd * gamma``.
 * ``npu_swiglu(x, dim=-1) -> silu(a) * b`` with ``a, b = x.chunk(2, dim)``.
-* ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + cat(-x2, x1) * r2``, 4-D inputs.
+* ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + cat(-x2, x1) * r2``, 4-D inputs;
+  ``rotary_mode="interleave"`` rotates adjacent pairs: ``x * r1 + stack(-x_odd, x_even) * r2``.
+* ``npu_geglu(x, dim=-1, approximate=1, activate_left=False) -> (a * gelu(b), gelu(b))`` with
+  ``a, b = x.chunk(2, dim)`` (approximate 1: tanh, 0: erf).
 
 MoE (``aclnnMoeTokenPermute`` / ``mindspore.ops.moe_token_unpermute`` / ``npu_grouped_matmul`` docs):
 
@@ -59,15 +62,28 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half") -> torch.Tensor:
-    if rotary_mode != "half":
-        raise NotImplementedError("the emulator implements rotary_mode='half' only")
+    if rotary_mode not in ("half", "interleave"):
+        raise ValueError(f"npu_rotary_mul: rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
     if x.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
         raise ValueError("npu_rotary_mul: x, r1 and r2 must be 4-D")
     if x.shape[-1] % 2:
         raise ValueError("npu_rotary_mul: the last dimension must be even")
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * r1.float() + torch.cat((-x2, x1), dim=-1) * r2.float()).to(x.dtype)
+    if rotary_mode == "half":
+        x1, x2 = xf.chunk(2, dim=-1)
+        turned = torch.cat((-x2, x1), dim=-1)
+    else:
+        turned = torch.stack((-xf[..., 1::2], xf[..., 0::2]), dim=-1).flatten(-2)
+    return (xf * r1.float() + turned * r2.float()).to(x.dtype)
+
+
+def npu_geglu(x: torch.Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False):
+    """``y = a * gelu(b)`` (``activate_left=False``) with ``a, b = x.chunk(2, dim)``; returns ``(y, gelu(b))``."""
+    a, b = x.float().chunk(2, dim=dim)
+    if activate_left:
+        a, b = b, a
+    gelu = F.gelu(b, approximate="tanh" if approximate == 1 else "none")
+    return (a * gelu).to(x.dtype), gelu.to(x.dtype)
 
 
 def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None,
@@ -140,9 +156,10 @@ def make_torch_npu() -> types.ModuleType:
     module.npu_moe_token_permute = npu_moe_token_permute  # type: ignore[attr-defined]
     module.npu_moe_token_unpermute = npu_moe_token_unpermute  # type: ignore[attr-defined]
     module.npu_grouped_matmul = npu_grouped_matmul  # type: ignore[attr-defined]
+    module.npu_geglu = npu_geglu  # type: ignore[attr-defined]
     module.calls = []  # type: ignore[attr-defined]
     for name in ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_moe_token_permute", "npu_moe_token_unpermute",
-                 "npu_grouped_matmul"):
+                 "npu_grouped_matmul", "npu_geglu"):
         setattr(module, name, _counted(module, getattr(module, name)))
     return module
 

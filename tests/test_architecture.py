@@ -46,12 +46,13 @@ class Layer:
 LAYERS: tuple[Layer, ...] = (
     Layer("foundation", ("engine.errors", "engine.drift", "engine.routing", "engine.kernel_names"), True,
           "error types, signature drift, function routing, the table of kernel names"),
-    Layer("vocabulary", ("engine.schema",), True, "pydantic models of what a patchset may say"),
+    Layer("vocabulary", ("engine.schema", "engine.schema_common"), True,
+          "pydantic models of what a patchset may say"),
     Layer("loading", ("engine.loader", "engine.loader.*"), True,
           "YAML with line numbers, extends, messages, names, JSON Schema"),
     Layer("torch helpers", ("engine.devices", "engine.wrappers", "engine.placements", "engine.hub_functions",
-                            "engine.tiny", "engine.tiny_config"), False,
-          "devices, wrapper unwrapping, DTensor placements, hub functions, tiny models and their configs"),
+                            "engine.tiny", "engine.tiny_config", "engine.submodels"), False,
+          "devices, wrapper unwrapping, DTensor placements, hub functions, tiny models and their configs, sub-models"),
     Layer("ops", ("engine.ops", "engine.ops.*"), False,
           "semantics: target contract, binding, the torch reference (Op.reference)"),
     Layer("kernels", ("engine.kernels", "engine.kernels.*"), False,
@@ -79,7 +80,7 @@ class Rule:
 #: The rules of issue 10, named one by one (the layer order implies most of them; naming them
 #: keeps them if the layers are ever reshuffled).
 RULES: tuple[Rule, ...] = (
-    Rule(("engine.schema", "engine.loader", "engine.loader.*"),
+    Rule(("engine.schema", "engine.schema_common", "engine.loader", "engine.loader.*"),
          ("torch", "transformers", "engine.ops*", "engine.kernels*", "engine.planner", "engine.patcher"),
          "validating a patchset must not import torch (a pre-commit hook, a CI schema job)"),
     Rule(("engine", "engine.errors", "engine.kernel_names"), ("torch", "transformers"),

@@ -14,10 +14,11 @@ from conftest import tiny_for
 
 import engine
 from engine.kernels import compiled, registry
+from engine.ops.geglu import gelu_mul_reference
 from engine.ops.rms_norm import rms_norm_reference
 from engine.ops.swiglu import silu_mul_reference
 from engine.planner import plan
-from engine.schema import RmsNormPatch, Scale, SwigluPatch
+from engine.schema import GegluPatch, RmsNormPatch, Scale, SwigluPatch
 from engine.verification import compare, probe_batch
 
 pytestmark = pytest.mark.skipif(compiled.find_cxx() is None, reason="no C++ compiler for inductor")
@@ -48,6 +49,9 @@ def test_kernels_match_reference_with_grads(dtype: torch.dtype) -> None:
     swiglu = registry.get("compiled", "swiglu").build(SwigluPatch(target="M", op="swiglu"))
     got += _grads(swiglu, gate, up)
     want += _grads(silu_mul_reference, gate, up)
+    geglu = registry.get("compiled", "geglu").build(GegluPatch(target="M", op="geglu"))
+    got += _grads(geglu, gate, up)
+    want += _grads(gelu_mul_reference, gate, up)
     for g, r in zip(got, want, strict=True):
         assert g.dtype == r.dtype
         if dtype is torch.float32:

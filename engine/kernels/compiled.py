@@ -144,12 +144,25 @@ def _build_swiglu(patch: Any) -> Callable[..., Any]:
     return compiled_kernel(("swiglu",), silu_mul)
 
 
+def _build_geglu(patch: Any) -> Callable[..., Any]:
+    from engine.ops.geglu import gelu_mul_reference
+
+    approximate = patch.approximate.value if patch is not None else "tanh"
+
+    def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return gelu_mul_reference(gate, up, approximate)
+
+    return compiled_kernel(("geglu", approximate), gelu_mul)
+
+
 #: The ops ``compiled`` is registered for: where benchmarks/run.py measured it faster than eager
-#: on CPU (rms_norm: several times in bf16; silu*up: fused into one pass). rope and
-#: fused_linear_cross_entropy are absent: not measured faster, so ``auto`` keeps ``torch`` for them.
+#: on CPU (rms_norm: several times in bf16; silu*up and gelu*up: fused into one pass). rope,
+#: layer_norm (F.layer_norm is already one fused ATen kernel) and fused_linear_cross_entropy are
+#: absent: not measured faster, so ``auto`` keeps ``torch`` for them.
 COMPILED_OPS: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "rms_norm": _build_rms_norm,
     "swiglu": _build_swiglu,
+    "geglu": _build_geglu,
 }
 
 for _op, _build in COMPILED_OPS.items():

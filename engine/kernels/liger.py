@@ -15,10 +15,22 @@
   first half of ``cos``/``sin``: it relies on transformers' ``cat(freqs, freqs)`` layout, which
   every half-split rotary embedding in transformers produces. Called directly,
   not through liger's backend dispatcher, so that the kernel is the one this file names.
+  ``upcast`` (the Qwen-VL vision functions): in fp32 and cast back, with ``(seq, heads, dim)``
+  transposed to liger's ``(1, heads, seq, dim)`` as liger's ``liger_rotary_pos_emb_vision`` does.
+  ``layout: complex`` (Llama 4): ``LigerLlama4RopeFunction`` where its frequencies are shared
+  by the batch (``freqs_cis`` of shape ``(1, seq, d/2)``): liger reads one row per position, so
+  per-sequence frequencies (per-row position ids) and the vision broadcast run the reference.
+  The interleaved layouts have no liger kernel: refused, ``auto`` picks torch.
+* ``geglu``: ``LigerGELUMulFunction.apply(gate, up)`` (tanh GELU only; ``approximate: none``
+  is refused).
+* ``layer_norm``: ``LigerLayerNormFunction.apply(x, w, b, eps)``; ``1 + w`` formed as the
+  reference forms it (in the weight's dtype, as Nemotron), a missing bias passed as zeros
+  (liger's kernel always reads one).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +39,7 @@ import torch
 
 from engine.kernels.registry import Dependency, KernelProvider, register
 from engine.ops.rms_norm import rms_norm_reference
-from engine.schema import CastOrder, Device, Precision, Scale
+from engine.schema import CastOrder, Device, GeluApproximate, Precision, RopeLayout, RopePatch, Scale
 
 __all__ = ["LIGER", "liger_rms_norm_arguments"]
 
@@ -79,15 +91,80 @@ def _build_swiglu(patch: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return silu_mul
 
 
+def _build_geglu(patch: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    from liger_kernel.ops.geglu import LigerGELUMulFunction
+
+    def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return LigerGELUMulFunction.apply(gate, up)
+
+    return gelu_mul
+
+
+def _geglu_supports(patch: Any) -> str | None:
+    if patch.approximate is not GeluApproximate.tanh:
+        return "LigerGELUMulFunction computes the tanh GELU only"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, device=device)
+
+
+def _build_layer_norm(patch: Any) -> Callable[..., torch.Tensor]:
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+    from engine.ops.layer_norm import layer_norm_weight
+
+    scale = patch.scale
+
+    def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        if bias is None:
+            bias = _zeros(weight.shape[0], weight.dtype, weight.device)
+        return LigerLayerNormFunction.apply(x, layer_norm_weight(weight, scale), bias, eps)
+
+    return layer_norm
+
+
 def _build_rope(patch: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    patch = patch or RopePatch(op="rope")
+    if patch.layout is RopeLayout.complex:
+        from liger_kernel.ops.llama4_rope import LigerLlama4RopeFunction
+
+        from engine.ops.rope import complex_rope_reference
+
+        def complex_rope(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor | None = None, *,
+                         freqs_ci: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            # liger reads one row of frequencies per position, shared by the batch: frequencies
+            # that differ per sequence (per-row position ids) and the vision broadcast run the reference.
+            if freqs_ci is not None or freqs_cis is None or freqs_cis.dim() != 3 or freqs_cis.shape[0] != 1:
+                return complex_rope_reference(xq, xk, freqs_cis, freqs_ci=freqs_ci)
+            return LigerLlama4RopeFunction.apply(xq, xk, freqs_cis)
+
+        return complex_rope
     from liger_kernel.ops.rope import LigerRopeFunction
 
-    def rope(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
+    default, upcast = patch.unsqueeze_dim, patch.upcast
+
+    def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             unsqueeze_dim: int = default) -> tuple[torch.Tensor, torch.Tensor]:
+        if not upcast:
+            return LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
+        # (seq, heads, dim) with cos (seq, dim) unsqueezed at -2: liger wants (1, heads, seq, dim).
+        q32 = q.float().unsqueeze(0).transpose(1, 2)
+        k32 = k.float().unsqueeze(0).transpose(1, 2)
+        qo, ko = LigerRopeFunction.apply(q32, k32, cos.float(), sin.float(), None, 1)
+        return qo.transpose(1, 2).squeeze(0).to(q.dtype), ko.transpose(1, 2).squeeze(0).to(k.dtype)
 
     return rope
+
+
+def _rope_supports(patch: Any) -> str | None:
+    if patch.layout in (RopeLayout.interleaved, RopeLayout.interleaved_to_half):
+        return f"liger has no kernel for the {patch.layout.value} rotary layout"
+    if patch.upcast and patch.unsqueeze_dim != -2:
+        return "liger's fp32 rotary path is the vision layout (seq, heads, dim) with unsqueeze_dim -2 only"
+    return None
 
 
 _COMMON: dict[str, Any] = {"devices": _CUDA, "requires": (LIGER,), "has_backward": True, "compile_safe": True}
@@ -96,5 +173,9 @@ register(KernelProvider(name="liger", op="rms_norm", build=_build_rms_norm, supp
                         description="LigerRMSNormFunction (offset, casting mode; never in place)", **_COMMON))
 register(KernelProvider(name="liger", op="swiglu", build=_build_swiglu,
                         description="LigerSiLUMulFunction", **_COMMON))
-register(KernelProvider(name="liger", op="rope", build=_build_rope,
-                        description="LigerRopeFunction", **_COMMON))
+register(KernelProvider(name="liger", op="rope", build=_build_rope, supports=_rope_supports,
+                        description="LigerRopeFunction (half layout), LigerLlama4RopeFunction (complex)", **_COMMON))
+register(KernelProvider(name="liger", op="geglu", build=_build_geglu, supports=_geglu_supports,
+                        description="LigerGELUMulFunction (tanh GELU)", **_COMMON))
+register(KernelProvider(name="liger", op="layer_norm", build=_build_layer_norm,
+                        description="LigerLayerNormFunction", **_COMMON))

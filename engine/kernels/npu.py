@@ -6,7 +6,12 @@ Op contracts used (``torch_npu/_op_plugin_docs.py``):
   Assumed, as for every fused vendor norm: computed in fp32 and rounded once to ``x.dtype``;
   ``gamma`` in ``x``'s dtype.
 * ``npu_swiglu(x, dim=-1)``: ``silu(a) * b`` with ``a, b = x.chunk(2, dim)``.
-* ``npu_rotary_mul(x, r1, r2)``: half mode, ``x * r1 + cat(-x2, x1) * r2``, 4-D inputs.
+* ``npu_rotary_mul(x, r1, r2, rotary_mode)``: ``half``: ``x * r1 + cat(-x2, x1) * r2`` (x1, x2
+  the halves); ``interleave``: ``x * r1 + stack(-x_odd, x_even).flatten(-2) * r2`` (GLM's
+  layout, with ``r1``/``r2`` repeated per pair); 4-D inputs.
+* ``npu_geglu(x, dim=-1, approximate=1) -> (y, gelu)``: ``x`` split in halves ``a, b`` along
+  ``dim``, ``y = a * gelu(b)`` (``activate_left=False``, the default: the right half is
+  activated); ``approximate`` 1 is tanh, 0 is erf.
 
 How each cast order of ``rms_norm`` is reproduced (the arguments are chosen so that the
 fused op rounds exactly where transformers rounds):
@@ -32,7 +37,7 @@ import torch
 
 from engine.kernels.registry import Dependency, KernelProvider, register
 from engine.ops.rms_norm import effective_weight
-from engine.schema import CastOrder, Device, Precision, Scale
+from engine.schema import CastOrder, Device, Precision, RopeLayout, RopePatch, Scale
 
 __all__ = ["NPU_DEVICES", "TORCH_NPU", "npu_rms_norm_kernel"]
 
@@ -96,20 +101,51 @@ def _build_swiglu(patch: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 
 def _build_rope(patch: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     npu = _torch_npu()
+    patch = patch or RopePatch(op="rope")
+    interleaved = patch.layout is RopeLayout.interleaved
+    mode = "interleave" if interleaved else "half"
+    default, upcast = patch.unsqueeze_dim, patch.upcast
 
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        squeeze = x.dim() == 3  # the vision functions' (seq, heads, dim): npu_rotary_mul wants 4-D
+        if squeeze:
+            x, cos, sin = x.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)
         rot = cos.shape[-1]
-        if rot == x.shape[-1]:
-            return npu.npu_rotary_mul(x, cos, sin)
-        return torch.cat((npu.npu_rotary_mul(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+        out = npu.npu_rotary_mul(x[..., :rot], cos, sin, rotary_mode=mode)
+        if rot != x.shape[-1]:
+            out = torch.cat((out, x[..., rot:]), dim=-1)
+        return out.squeeze(0) if squeeze else out
 
     def rope(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = default
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        if interleaved:  # GLM: the first half of cat(freqs, freqs), each angle repeated for its pair
+            cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        if upcast:
+            qf, kf, cos, sin = q.float(), k.float(), cos.float(), sin.float()
+            return rotate(qf, cos, sin).to(q.dtype), rotate(kf, cos, sin).to(k.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
     return rope
+
+
+def _rope_supports(patch: Any) -> str | None:
+    if patch.layout not in (RopeLayout.half, RopeLayout.interleaved):
+        return f"npu_rotary_mul has no {patch.layout.value} mode (only half and interleave)"
+    return None
+
+
+def _build_geglu(patch: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``npu_geglu(cat([up, gate]), approximate)``: it splits in halves and applies GELU to the second."""
+    npu = _torch_npu()
+    approximate = 1 if patch.approximate.value == "tanh" else 0
+
+    def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return npu.npu_geglu(torch.cat([up, gate], dim=-1), dim=-1, approximate=approximate)[0]
+
+    return gelu_mul
 
 
 def _build_gated_rms_norm(patch: Any) -> Callable[..., torch.Tensor]:
@@ -147,7 +183,9 @@ register(KernelProvider(name="npu", op="rms_norm", build=_build_rms_norm,
                         description="torch_npu.npu_rms_norm", **_COMMON))
 register(KernelProvider(name="npu", op="swiglu", build=_build_swiglu,
                         description="torch_npu.npu_swiglu on cat([gate, up], -1)", **_COMMON))
-register(KernelProvider(name="npu", op="rope", build=_build_rope,
-                        description="torch_npu.npu_rotary_mul (half mode)", **_COMMON))
+register(KernelProvider(name="npu", op="rope", build=_build_rope, supports=_rope_supports,
+                        description="torch_npu.npu_rotary_mul (half and interleave modes)", **_COMMON))
+register(KernelProvider(name="npu", op="geglu", build=_build_geglu,
+                        description="torch_npu.npu_geglu on cat([up, gate], -1)", **_COMMON))
 register(KernelProvider(name="npu", op="gated_rms_norm", build=_build_gated_rms_norm, supports=_gated_supports,
                         description="torch_npu.npu_rms_norm, then act(gate) in fp32", **_COMMON))

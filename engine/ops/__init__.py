@@ -3,6 +3,8 @@
 from engine.ops import (  # noqa: F401  (import registers)
     fused_linear_cross_entropy,
     gated_rms_norm,
+    geglu,
+    layer_norm,
     linear_attention,
     moe_experts,
     rms_norm,

@@ -1,9 +1,29 @@
-"""Rotary position embedding: ``x * cos + rotate_half(x) * sin`` for q and k.
+"""Rotary position embedding on q and k, in the four layouts transformers uses.
 
-Targets the modeling module's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
-The results keep the dtypes of q and k (olmo2 computes in fp32 and casts back).
-The reference also handles partial rotary (``cos`` narrower than the head): the first
-``cos.shape[-1]`` features are rotated and the rest pass through, as in qwen3_next.
+Targets a module-level function of the modeling module (``apply_rotary_pos_emb`` and its
+relatives); each layout's reference follows transformers' expressions step for step:
+
+================== ============================================ ==========================================
+layout             function (transformers 5.24)                 computes
+================== ============================================ ==========================================
+half               ``apply_rotary_pos_emb(q, k, cos, sin,       ``x * cos + rotate_half(x) * sin``; partial
+                   unsqueeze_dim=1)``: llama, qwen, Qwen-VL      rotary when cos is narrower than the head
+                   text (mrope: sections merged into cos/sin)
+half + upcast      ``apply_rotary_pos_emb_vision(q, k, cos,     the same in fp32 with ``cos.unsqueeze(-2)``,
+                   sin)``: Qwen2-VL / 2.5-VL / 3-VL vision       cast back (declare ``unsqueeze_dim: -2``)
+interleaved        GLM, GLM-4 ``apply_rotary_pos_emb``           pairs (x0, x1), ... rotated in place by
+                                                                 ``cos[..., :d/2].repeat_interleave(2)``
+interleaved_to_half DeepSeek-V3 ``apply_rotary_pos_emb_         interleaved pairs in, ``[evens | odds]`` out
+                   interleave(q, k, cos, sin, position_ids,
+                   unsqueeze_dim)``
+complex            Llama 4 ``apply_rotary_emb(xq, xk,            pairs as complex numbers times
+                   freqs_cis)``, ``vision_apply_rotary_emb``     ``freqs_cis``, in fp32, cast back
+================== ============================================ ==========================================
+
+The results keep the dtypes of q and k (olmo2 computes in fp32 and casts back; where
+cos/sin already have q's dtype the cast is a no-op). Qwen2-VL's multimodal rope needs no
+function of its own in transformers 5.x: the rotary embedding merges the t/h/w sections
+into ``cos``/``sin`` and the attention calls the plain half-split function.
 """
 
 from __future__ import annotations
@@ -16,9 +36,16 @@ import torch
 
 from engine.errors import SignatureMismatch
 from engine.ops.base import FunctionOp, register_op
-from engine.schema import RopePatch
+from engine.schema import RopeLayout, RopePatch
 
-__all__ = ["RopeOp", "rope_reference", "rotate_half"]
+__all__ = [
+    "RopeOp",
+    "complex_rope_reference",
+    "interleaved_rope_reference",
+    "interleaved_to_half_rope_reference",
+    "rope_reference",
+    "rotate_half",
+]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -26,47 +53,185 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GLM's rotate_half: ``(x0, x1), (x2, x3)...`` -> ``(-x1, x0), (-x3, x2)...``."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turn: Callable[..., torch.Tensor]) -> torch.Tensor:
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return (x * cos) + (rotate_half(x) * sin)
+        return (x * cos) + (turn(x) * sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
+    return torch.cat(((x_rot * cos) + (turn(x_rot) * sin), x_pass), dim=-1)
 
 
 def rope_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ground truth of the ``rope`` op (half-split rotate, optional partial rotary)."""
+    """The ground truth of the ``half`` layout (half-split rotate, optional partial rotary)."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    # Results keep q's and k's dtypes: olmo2's cos/sin stay fp32 in a bf16 model and it casts
-    # back; where cos/sin already have q's dtype (llama), the cast is a no-op.
-    return _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
+    return _rotate(q, cos, sin, rotate_half).to(q.dtype), _rotate(k, cos, sin, rotate_half).to(k.dtype)
 
 
-_EXPECTED = ("q", "k", "cos", "sin")
+def upcast_rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = -2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``half`` in fp32, cast back: the Qwen-VL ``apply_rotary_pos_emb_vision``."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim).float(), sin.unsqueeze(unsqueeze_dim).float()
+    qf, kf = q.float(), k.float()
+    return _rotate(qf, cos, sin, rotate_half).to(q.dtype), _rotate(kf, cos, sin, rotate_half).to(k.dtype)
+
+
+def interleaved_rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``interleaved`` layout (GLM, GLM-4), partial rotary included."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return _rotate(q, cos, sin, _rotate_pairs).to(q.dtype), _rotate(k, cos, sin, _rotate_pairs).to(k.dtype)
+
+
+def interleaved_to_half_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``interleaved_to_half`` layout (DeepSeek-V3 ``apply_rotary_pos_emb_interleave``)."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return turn(q), turn(k)
+
+
+def _broadcast_freqs(freqs: torch.Tensor, xc: torch.Tensor, vision: bool) -> torch.Tensor:
+    """Llama 4's two broadcasts: text ``freqs[:, :, None, :]`` for ``(batch, seq, d/2)`` frequencies,
+    vision ``reshape_for_broadcast`` (``freqs_ci=``, or frequencies not shaped ``(batch, seq, d/2)``)."""
+    text_shaped = freqs.dim() == 3 and freqs.shape[0] in (1, xc.shape[0]) and freqs.shape[1] == xc.shape[1]
+    if text_shaped and not vision:
+        return freqs[:, :, None, :]
+    shape = [d if i == 1 or i == xc.dim() - 1 else 1 for i, d in enumerate(xc.shape)]
+    return freqs.view(*shape).to(xc.device)
+
+
+def complex_rope_reference(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor | None = None, *, freqs_ci: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``complex`` layout (Llama 4 ``apply_rotary_emb``; ``freqs_ci=`` as its vision function names it)."""
+    freqs = freqs_cis if freqs_cis is not None else freqs_ci
+    if freqs is None:
+        raise TypeError("complex rope needs freqs_cis")
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    f = _broadcast_freqs(freqs, xq_, vision=freqs_ci is not None)
+    xq_out = torch.view_as_real(xq_ * f).flatten(3)
+    xk_out = torch.view_as_real(xk_ * f).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def build_reference(patch: RopePatch | None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The reference for the patch's layout, with the declared default ``unsqueeze_dim``."""
+    if patch is None:
+        return rope_reference
+    if patch.layout is RopeLayout.complex:
+        return complex_rope_reference
+    if patch.layout is RopeLayout.interleaved_to_half:
+        return interleaved_to_half_rope_reference
+    base = {RopeLayout.half: upcast_rope_reference if patch.upcast else rope_reference,
+            RopeLayout.interleaved: interleaved_rope_reference}[patch.layout]
+    if patch.upcast and patch.layout is not RopeLayout.half:
+        inner = base
+
+        def base(q, k, cos, sin, unsqueeze_dim=1):  # type: ignore[no-redef]  (fp32, cast back)
+            qo, ko = inner(q.float(), k.float(), cos.float(), sin.float(), unsqueeze_dim)
+            return qo.to(q.dtype), ko.to(k.dtype)
+
+    default = patch.unsqueeze_dim
+    if base.__defaults__ == (default,):  # type: ignore[attr-defined]
+        return base
+
+    def with_default(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     unsqueeze_dim: int = default) -> tuple[torch.Tensor, torch.Tensor]:
+        return base(q, k, cos, sin, unsqueeze_dim)
+
+    return with_default
+
+
+#: The parameters each layout's function takes, in order (the kernel is called with the same arguments).
+_EXPECTED: dict[RopeLayout, tuple[str, ...]] = {
+    RopeLayout.half: ("q", "k", "cos", "sin"),
+    RopeLayout.interleaved: ("q", "k", "cos", "sin"),
+    RopeLayout.interleaved_to_half: ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"),
+}
+_COMPLEX_NAMES = (("xq", "xk", "freqs_cis"), ("query", "key", "freqs_ci"))
 
 
 @register_op
 class RopeOp(FunctionOp):
-    """Replace ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``."""
+    """Replace a rotary function of the modeling module (see the module docstring for the layouts)."""
 
     name = "rope"
     patch_type = RopePatch
 
     def reference(self, patch: RopePatch) -> Callable[..., Any]:
-        return rope_reference
+        return build_reference(patch)
 
     def check_function(self, function: Callable[..., object], patch: RopePatch) -> None:
-        params = list(inspect.signature(inspect.unwrap(function)).parameters)
-        if tuple(params[:4]) != _EXPECTED:
+        signature = inspect.signature(inspect.unwrap(function))
+        params = list(signature.parameters)
+        where = f"rope (layout: {patch.layout.value}) cannot replace {patch.function}({', '.join(params)})"
+        if patch.layout is RopeLayout.complex:
+            if tuple(params) not in _COMPLEX_NAMES:
+                raise SignatureMismatch(
+                    f"{where}: expected (xq, xk, freqs_cis) or (query, key, freqs_ci); "
+                    "a function taking cos and sin is layout half or interleaved"
+                )
+            return
+        expected = _EXPECTED[patch.layout]
+        if tuple(params[: len(expected)]) != expected or len(params) > len(expected) + 1:
+            hint = " (a function taking freqs_cis is layout complex)" if "freqs_cis" in params else ""
+            raise SignatureMismatch(f"{where}: expected ({', '.join(expected)}, unsqueeze_dim=...){hint}")
+        extra = signature.parameters.get("unsqueeze_dim")
+        if extra is None and len(params) > len(expected):
+            raise SignatureMismatch(f"{where}: its parameter {params[-1]!r} has no counterpart in the kernel")
+        if extra is not None and extra.default != patch.unsqueeze_dim:
             raise SignatureMismatch(
-                f"rope cannot replace {patch.function}({', '.join(params)}): "
-                f"expected ({', '.join(_EXPECTED)}, unsqueeze_dim=1)"
+                f"{where}: its unsqueeze_dim defaults to {extra.default!r}, the patch declares "
+                f"unsqueeze_dim: {patch.unsqueeze_dim}; declare unsqueeze_dim: {extra.default}"
             )
 
-    def candidates(self, name: str, function: Callable[..., object]) -> Iterator[RopePatch]:
-        patch = RopePatch(op="rope", function=name)
-        if self.accepts(name, function, patch):
-            yield patch
+    def alternatives(self, patch: RopePatch) -> Iterator[tuple[str, RopePatch]]:
+        if patch.layout in (RopeLayout.half, RopeLayout.interleaved):
+            other = RopeLayout.interleaved if patch.layout is RopeLayout.half else RopeLayout.half
+            yield f"layout: {other.value}", patch.model_copy(update={"layout": other})
+        yield f"upcast: {not patch.upcast}".lower(), patch.model_copy(update={"upcast": not patch.upcast})
+
+    def candidates(self, name: str, function: Callable[..., Any]) -> Iterator[RopePatch]:
+        """Every layout (and, for half and interleaved, fp32 or not) whose signature ``function`` has.
+
+        ``unsqueeze_dim`` is the function's own default; a function without the parameter is
+        taken as the vision kind (``-2``), as every one in transformers is.
+        """
+        signature = inspect.signature(inspect.unwrap(function))
+        param = signature.parameters.get("unsqueeze_dim")
+        unsqueeze = param.default if param is not None and isinstance(param.default, int) else -2
+        for layout in RopeLayout:
+            if layout in (RopeLayout.interleaved_to_half, RopeLayout.complex):
+                patch = RopePatch(op="rope", function=name, layout=layout)
+                if self.accepts(name, function, patch):
+                    yield patch
+                continue
+            for upcast in (False, True):
+                patch = RopePatch(op="rope", function=name, layout=layout, upcast=upcast, unsqueeze_dim=unsqueeze)
+                if self.accepts(name, function, patch):
+                    yield patch

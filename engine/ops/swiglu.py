@@ -1,13 +1,14 @@
 """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``.
 
-The kernel fuses only ``silu(gate) * up``; the three projections stay the module's own
+The kernel fuses only ``silu(gate) * up``; the projections stay the module's own
 submodules and are called as modules, so adapters wrapped around them (PEFT LoRA,
 quantized linears) keep working. This is the split Liger-Kernel and ``npu_swiglu`` use.
+The gate and up projections are two linears or one fused ``gate_up_proj`` (Phi-3, GLM-4):
+see :mod:`engine.ops.gated_mlp`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import SignatureMismatch
-from engine.ops.base import ModuleOp, register_op, require_single_input
-from engine.schema import SwigluPatch
+from engine.ops.base import ModuleOp, register_op
+from engine.ops.gated_mlp import bind_gated_mlp, check_gated_mlp, projection_candidates
+from engine.schema import GateUpOrder, SwigluPatch
 
 __all__ = ["SwigluOp", "silu_mul_reference"]
 
@@ -38,39 +39,18 @@ class SwigluOp(ModuleOp):
         return silu_mul_reference
 
     def check_target(self, module: nn.Module, patch: SwigluPatch) -> None:
-        require_single_input(module, self.name)
-        cls = type(module).__name__
-        for attr in (patch.gate_proj, patch.up_proj, patch.down_proj):
-            if not isinstance(getattr(module, attr, None), nn.Module):
-                children = ", ".join(name for name, _ in module.named_children()) or "none"
-                raise SignatureMismatch(f"{cls} has no submodule {attr!r}; its submodules: {children}")
-        act = getattr(module, patch.act_attr, None)
-        probe = torch.linspace(-6, 6, 97)
-        if not callable(act) or not torch.allclose(act(probe), F.silu(probe), atol=1e-6):
-            raise SignatureMismatch(
-                f"{cls}.{patch.act_attr} is {type(act).__name__}, which does not compute silu; "
-                "swiglu replaces silu-gated MLPs only (check the config's hidden_act)"
-            )
+        check_gated_mlp(module, patch, self.name, F.silu, "silu")
 
     def bind(self, module: nn.Module, patch: SwigluPatch, impl: Callable[..., Any]) -> Callable[..., Any]:
-        gate_name, up_name, down_name = patch.gate_proj, patch.up_proj, patch.down_proj
+        return bind_gated_mlp(patch, impl)
 
-        def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            modules = self._modules
-            return modules[down_name](impl(modules[gate_name](x), modules[up_name](x)))
-
-        return forward
+    def alternatives(self, patch: SwigluPatch) -> Iterator[tuple[str, SwigluPatch]]:
+        if patch.gate_up_proj is not None:  # the other half as the gate
+            other = GateUpOrder.up_gate if patch.chunk_order is GateUpOrder.gate_up else GateUpOrder.gate_up
+            yield f"chunk_order: {other.value}", patch.model_copy(update={"chunk_order": other})
 
     def candidates(self, module: nn.Module) -> Iterator[SwigluPatch]:
-        """Every (gate, up, down, activation) assignment of the module's linear children that fits by shape.
-
-        gate and up have the same shape, so both orders are yielded: only the numbers tell them apart.
-        """
-        linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
-        acts = [n for n, m in module.named_children() if not isinstance(m, nn.Linear) and next(m.parameters(), None) is None]
+        """Every projection assignment that fits by shape (two linears, or one fused gate_up_proj)."""
         target = type(module).__name__
-        for down, gate, up in itertools.permutations(linears, 3):
-            d, g, u = linears[down], linears[gate], linears[up]
-            if g.weight.shape == u.weight.shape and d.in_features == g.out_features and d.out_features == g.in_features:
-                for act in acts:
-                    yield SwigluPatch(op="swiglu", target=target, gate_proj=gate, up_proj=up, down_proj=down, act_attr=act)
+        for settings in projection_candidates(module):
+            yield SwigluPatch(op="swiglu", target=target, **settings)

@@ -64,6 +64,17 @@ def is_exact(result: tuple[float, float, bool]) -> bool:
     return result[2] and result[0] == 0.0
 
 
+def clone_tensors(value: Any) -> Any:
+    """Tensors cloned (nested in tuples, lists and dicts): inputs a kernel may write in place."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(clone_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return {k: clone_tensors(v) for k, v in value.items()}
+    return value
+
+
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to(dtype) if value.is_floating_point() else value

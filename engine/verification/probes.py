@@ -17,8 +17,18 @@ from engine.verification.compare import cast_floats
 
 
 def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A deterministic random batch of token ids (with labels) for a causal LM."""
-    vocab = int(model.config.vocab_size)
+    """A deterministic random batch of token ids (with labels) for a causal LM.
+
+    For a composite (multimodal) model the ids come from its text config's vocabulary, below
+    every special multimodal token id, so the batch is text only (the vision tower is probed
+    separately with pixels, see :func:`_vision_step`).
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(text.vocab_size)
+    if text is not config:  # image/video token ids live on the composite config
+        special = [v for k, v in vars(config).items() if k.endswith(("token_id", "token_index")) and isinstance(v, int)]
+        vocab = min([vocab, *(v for v in special if v > 8)])
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
@@ -52,6 +62,8 @@ def capture_inputs(model: nn.Module, decisions: Sequence[Any], batch: dict[str, 
         with torch.no_grad():
             model(**{k: v for k, v in batch.items() if k != "labels"})
             if any(d.path not in captured for d in decisions):
+                _vision_step(model)
+            if any(d.path not in captured for d in decisions):
                 _decode_step(model, batch)
     finally:
         for h in handles:
@@ -59,6 +71,20 @@ def capture_inputs(model: nn.Module, decisions: Sequence[Any], batch: dict[str, 
         for router, observe in observers:
             router.observers.remove(observe)
     return captured
+
+
+def _vision_step(model: nn.Module) -> None:
+    """Random pixels through a composite model's ``get_image_features``: reaches the vision tower,
+    which a text-only probe never calls. A model without one is left alone."""
+    from engine.tiny import image_features, tiny_vision_inputs
+
+    inputs = tiny_vision_inputs(model)
+    if inputs is None:
+        return
+    try:
+        image_features(model, inputs)
+    except (TypeError, ValueError, AttributeError, NotImplementedError):
+        return  # patches it leaves uncaptured are reported as never called
 
 
 def _decode_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:

@@ -126,7 +126,8 @@ def _train_step(model, batch):
                                                   if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_text", "qwen3_next", "gemma", "phi3", "nemotron", "llama4",
+                                  "qwen2_vl"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_model_on_cuda_auto(name, dtype) -> None:
     """auto on CUDA (liger / fla where installed) vs the unpatched model on transformers' torch path."""
@@ -176,3 +177,40 @@ def test_fla_gated_norm(activation, dtype) -> None:
     got = registry.get("fla", "gated_rms_norm").build(patch)(x, gate, w, 1e-6, None)
     expected = registry.get("torch", "gated_rms_norm").build(patch)(x, gate, w, 1e-6, None)
     torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
+@needs_liger
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_liger_geglu_layer_norm_and_rope_layouts(dtype) -> None:
+    """geglu, layer_norm (with and without bias, 1 + w), vision rope (fp32) and Llama 4's complex rope."""
+    from engine.schema import GegluPatch, LayerNormPatch, RopePatch
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=DEV).to(dtype).requires_grad_()
+
+    def both(op, patch, *args):
+        outs = []
+        for name in ("liger", "torch"):
+            leaves = [a.detach().clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
+                      for a in args]
+            out = registry.get(name, op).build(patch)(*leaves)
+            out = out if isinstance(out, tuple) else (out,)
+            sum(o.float().pow(2).sum() for o in out).backward()
+            grads = [a.grad for a in leaves if torch.is_tensor(a) and a.grad is not None]
+            outs.append([o.detach() for o in out] + grads)
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+
+    both("geglu", GegluPatch(target="X", op="geglu"), rand(64, 256), rand(64, 256))
+    for scale, bias in (("weight", rand(256)), ("weight", None), ("one_plus_weight", rand(256))):
+        patch = LayerNormPatch(target="X", op="layer_norm", scale=scale)
+        both("layer_norm", patch, rand(64, 256), rand(256), bias, 1e-6)
+    angles = torch.rand(96, 32, device=DEV) * 6
+    emb = torch.cat((angles, angles), -1)
+    vision = RopePatch(op="rope", function="apply_rotary_pos_emb_vision", upcast=True, unsqueeze_dim=-2)
+    both("rope", vision, rand(96, 4, 64), rand(96, 4, 64), emb.cos().to(dtype), emb.sin().to(dtype))
+    ang = torch.rand(1, 48, 32, device=DEV) * 6
+    both("rope", RopePatch(op="rope", function="apply_rotary_emb", layout="complex"), rand(2, 48, 4, 64),
+         rand(2, 48, 2, 64), torch.polar(torch.ones_like(ang), ang))

@@ -1,0 +1,92 @@
+"""Composite (multimodal) models: one patchset for the language model and the vision tower.
+
+The text path (logits, loss, every gradient) is covered for every bundled patchset by
+tests/test_families.py; here: the tiny composite model builds from text_config /
+vision_config, the plan says which sub-model each decision belongs to, and the vision
+tower's output and gradients on random pixels are equal patched vs unpatched (fp32 and
+bf16, bit for bit with the torch reference kernels).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_for
+
+import engine
+from engine.loader import bundled_names, load_patchset
+from engine.tiny import build_tiny_model, image_features, tiny_vision_inputs
+
+
+def _composite_names() -> list[str]:
+    names = []
+    for name in bundled_names():
+        tiny = load_patchset(name).tiny_model
+        if tiny is not None and "vision_config" in tiny.config:
+            names.append(name)
+    return names
+
+
+COMPOSITES = _composite_names()
+#: Composite patchsets whose vision tower is not probed with pixels here, and why.
+NO_PIXEL_PROBE = {"gemma4": "its tower takes patches with 2-D position ids; no vision patch is declared"}
+
+
+def test_composites_are_bundled() -> None:
+    expected = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "paligemma", "gemma3", "internvl", "mllama"}
+    assert expected <= set(COMPOSITES)
+
+
+def test_tiny_composite_takes_text_and_vision_configs() -> None:
+    model = build_tiny_model("llava", {
+        "text_config": {"model_type": "llama", "num_hidden_layers": 1, "pad_token_id": 0},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+    })
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (64, 1, 256)  # base sizes + override
+    assert (vision.hidden_size, vision.image_size) == (32, 16)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert sum(p.numel() for p in model.parameters()) < 200_000
+
+
+def test_plan_shows_the_sub_model_of_each_decision() -> None:
+    model = tiny_for("qwen2_vl")
+    plan = engine.plan(model, "qwen2_vl", device="cpu")
+    owners = {(d.cls if d.site is None else d.path.rsplit(".", 1)[-1]): d.sub_model for d in plan.decisions}
+    assert owners["Qwen2VLRMSNorm"] == "model.language_model"
+    assert owners["LayerNorm"] == "model.visual"
+    assert owners["apply_rotary_pos_emb_vision"] == "model.visual"
+    assert owners["apply_rotary_pos_emb"] == "model.language_model"
+    table = str(plan)
+    assert "sub-model" in table.splitlines()[1] and "model.visual" in table
+    assert "sub-model" not in str(engine.plan(tiny_for("qwen3"), "qwen3", device="cpu"))  # not for plain LMs
+
+
+@pytest.mark.parametrize("name", [n for n in COMPOSITES if n not in NO_PIXEL_PROBE])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vision_tower_patched_equals_unpatched(name: str, dtype: torch.dtype) -> None:
+    reference = tiny_for(name, dtype=dtype)
+    patched = copy.deepcopy(reference)
+    report = engine.apply(patched, name, device="cpu")
+    vision = [d for d in report.decisions if d.action == "patch" and "lang" not in d.sub_model
+              and d.sub_model not in ("", "<root>", "model")]
+    assert vision, "the patchset patches nothing in the vision tower"
+    inputs = tiny_vision_inputs(reference)
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        feats = image_features(model, inputs)
+        feats.float().pow(2).mean().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        return feats.detach(), grads
+
+    with engine.torch_path(reference):
+        want, want_grads = run(reference)
+    got, got_grads = run(patched)
+    assert torch.equal(got, want)
+    assert want_grads and got_grads.keys() == want_grads.keys()
+    for k in want_grads:
+        assert torch.equal(got_grads[k], want_grads[k]), k
