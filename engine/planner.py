@@ -21,7 +21,6 @@ from torch import nn
 from engine.devices import resolve_device
 from engine.errors import (
     DeviceUnsupported,
-    DTensorUnsupported,
     InvalidArgument,
     KernelNotFound,
     MissingDependency,
@@ -31,11 +30,11 @@ from engine.errors import (
     TargetNotFound,
     VersionMismatch,
 )
-from engine.kernels import registry
+from engine.kernel_choice import resolve_kernel
 from engine.kernels.registry import KernelProvider
-from engine.placements import dtensor_parameter
 from engine.ops.base import FunctionOp, ModuleOp, get_op
-from engine.schema import Device, FunctionPatch, ModulePatch, OnUnsupported, Patchset
+from engine.placements import dtensor_parameter
+from engine.schema import Device, FunctionPatch, ModulePatch, Patchset
 
 __all__ = ["Decision", "FunctionSite", "Mode", "Plan", "plan", "resolve_kernel"]
 
@@ -371,86 +370,6 @@ def _original_function(function: Callable[..., Any]) -> Callable[..., Any]:
     """See through our own router, if another model already routes this function."""
     router = getattr(function, "__patch_engine_router__", None)
     return router.original if router is not None else function
-
-
-def resolve_kernel(
-    op: str, spec: Any, device: Device, mode: Mode, on_unsupported: OnUnsupported, *, patch: Any = None,
-    dtensor: str | None = None,
-) -> tuple[KernelProvider | None, str]:
-    """Pick the provider for ``op`` on ``device``: ``(provider or None if skipped, why)``.
-
-    ``patch`` (optional) lets a provider refuse settings whose numerics it does not reproduce;
-    ``dtensor`` (optional, from :func:`engine.placements.dtensor_parameter`) names a DTensor
-    parameter of the targets, which only providers declaring ``dtensor=True`` accept.
-    """
-    choice = spec if isinstance(spec, str) else spec.get(device, "auto")
-    if choice == "auto":
-        return _resolve_auto(op, device, mode, patch, dtensor)
-    provider = registry.get(choice, op)
-    problem: Exception | None = None
-    if dtensor is not None and not provider.dtensor:
-        problem = DTensorUnsupported(
-            f"{choice} does not take DTensor inputs, and {dtensor} (tensor parallel); "
-            "choose a kernel that does (torch) or `kernel: auto`, which picks one."
-        )
-    elif device not in provider.devices:
-        problem = DeviceUnsupported(f"{choice} requires {provider.device_list()}, current accelerator is {device.value}.")
-    elif mode == "training" and not provider.has_backward:
-        problem = DeviceUnsupported(
-            f"{choice} has no backward for {op}, and the plan is for training; "
-            "plan with mode='inference' or choose a kernel with a backward."
-        )
-    elif (unfit := _unfit(provider, patch)) is not None:
-        problem = DeviceUnsupported(f"{choice} cannot compute {op} as declared: {unfit}; choose another kernel.")
-    else:
-        try:
-            provider.check_dependencies()
-        except MissingDependency as exc:
-            problem = exc
-    if problem is None:
-        return provider, f"{choice} (declared)"
-    if on_unsupported is OnUnsupported.error:
-        raise problem
-    if on_unsupported is OnUnsupported.skip:
-        return None, f"skipped: {problem}"
-    return registry.get("torch", op), f"fallback to torch: {problem}"
-
-
-def _unfit(provider: KernelProvider, patch: Any) -> str | None:
-    """Why ``provider`` does not reproduce ``patch``'s declared numerics, or ``None``."""
-    if patch is None or provider.supports is None:
-        return None
-    return provider.supports(patch)
-
-
-def _resolve_auto(
-    op: str, device: Device, mode: Mode, patch: Any = None, dtensor: str | None = None
-) -> tuple[KernelProvider, str]:
-    passed: list[str] = []
-    for name in registry.AUTO_ORDER.get(device, ("torch",)):
-        try:
-            provider = registry.get(name, op)
-        except KernelNotFound:
-            continue
-        if device not in provider.devices:
-            continue
-        if dtensor is not None and not provider.dtensor:
-            passed.append(f"{name}: takes no DTensor inputs ({dtensor})")
-            continue
-        if mode == "training" and not provider.has_backward:
-            passed.append(f"{name}: no backward")
-            continue
-        if (unfit := _unfit(provider, patch)) is not None:
-            passed.append(f"{name}: {unfit}")
-            continue
-        try:
-            provider.check_dependencies()
-        except MissingDependency as exc:
-            passed.append(f"{name}: {exc}")
-            continue
-        why = f"auto: first available for {device.value}"
-        return provider, why + (f" (passed over {'; '.join(passed)})" if passed else "")
-    raise KernelNotFound(f"no kernel for op {op!r} runs on {device.value} in {mode}")
 
 
 def signature_of(function: Callable[..., Any]) -> str:
