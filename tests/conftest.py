@@ -50,3 +50,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         if "npu" in item.keywords and not has_npu:
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU"))
+
+
+@pytest.fixture
+def torch_npu(monkeypatch: pytest.MonkeyPatch):
+    """An emulated ``torch_npu`` (tests/npu_emulator.py: the documented contracts of its ops).
+
+    The emulated NPU counts as present for apply's device check (tensors stay on the CPU). Not by
+    faking ``torch.npu``: transformers would then route attention to torch_npu's flash attention.
+    """
+    from npu_emulator import make_torch_npu
+
+    from engine import devices
+    from engine.schema import Device
+
+    module = make_torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    present = devices.is_present
+    monkeypatch.setattr(devices, "is_present", lambda device: device is Device.npu or present(device))
+    return module

@@ -9,31 +9,18 @@ assumption that each fused op computes in fp32 and rounds once.
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
 from conftest import tiny_for
-from npu_emulator import make_torch_npu
 
 import engine
-from engine import devices
 from engine.kernels.npu import npu_rms_norm_kernel
 from engine.loader import load_patchset
 from engine.ops.rms_norm import rms_norm_reference
-from engine.schema import CastOrder, Device, Precision, Scale
+from engine.schema import CastOrder, Precision, Scale
 from engine.verification import probe_batch
 
-
-@pytest.fixture
-def torch_npu(monkeypatch: pytest.MonkeyPatch):
-    module = make_torch_npu()
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    # The emulated NPU counts as present for apply's device check (tensors stay on the CPU). Not by
-    # faking torch.npu: transformers would then route attention to torch_npu's flash attention.
-    present = devices.is_present
-    monkeypatch.setattr(devices, "is_present", lambda device: device is Device.npu or present(device))
-    return module
 
 def _patchset(name: str, ops: set[str]) -> dict:
     """The bundled patchset restricted to ``ops``, every patch on the npu kernel.

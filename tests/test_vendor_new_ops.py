@@ -10,34 +10,20 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import sys
 
 import pytest
 import torch
 from conftest import tiny_for
-from npu_emulator import make_torch_npu
 from test_liger_fla import _interpret
 
 import engine
-from engine import devices
 from engine.kernels import registry
-from engine.loader import load_patchset
-from engine.schema import Device, GegluPatch, LayerNormPatch, RopePatch
+from engine.schema import GegluPatch, LayerNormPatch, RopePatch
 from engine.verification import probe_batch
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 needs_liger = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (extra: cuda)")
 
-
-@pytest.fixture
-def torch_npu(monkeypatch: pytest.MonkeyPatch):
-    module = make_torch_npu()
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    # The emulated NPU counts as present for apply's device check (tensors stay on the CPU), as in
-    # tests/test_npu_provider.py.
-    present = devices.is_present
-    monkeypatch.setattr(devices, "is_present", lambda device: device is Device.npu or present(device))
-    return module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
