@@ -50,10 +50,32 @@ class HeadContract:
         return None if self.aux_coef_path is None else _resolve(model, self.aux_coef_path)
 
 
+#: A path step that stands for ``config.get_text_config()`` (composite models keep the cap there).
+TEXT_CONFIG = "get_text_config()"
+
+
 def _resolve(obj: object, path: tuple[str, ...]) -> object:
+    if TEXT_CONFIG in path:  # as PaliGemma reads it: getattr(text_config, cap, None)
+        head, tail = path[: path.index(TEXT_CONFIG)], path[path.index(TEXT_CONFIG) + 1 :]
+        return getattr(_resolve(obj, head).get_text_config(), ".".join(tail), None)  # type: ignore[attr-defined]
     for attr in path:
         obj = getattr(obj, attr)
     return obj
+
+
+def _text_config_softcap(fn: ast.FunctionDef, test: ast.expr) -> tuple[str, ...] | None:
+    """``("config", TEXT_CONFIG, cap)`` when the test reads the cap from ``self.config.get_text_config()``.
+
+    The two forms transformers writes: a walrus in the test (Gemma 4), or a local assigned
+    from ``getattr(self.config.get_text_config(), "final_logit_softcapping", None)`` (PaliGemma).
+    """
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    sources = [test] + [stmt for stmt in ast.walk(fn) if names & _assigned_names(stmt)]
+    for node in sources:
+        text = ast.unparse(node)
+        if "self.config.get_text_config()" in text and _SOFTCAP in text:
+            return ("config", TEXT_CONFIG, _SOFTCAP)
+    return None
 
 
 def _self_path(node: ast.AST) -> tuple[str, ...] | None:
@@ -123,7 +145,8 @@ def read_head_contract(cls: type, lm_head: str = "lm_head") -> HeadContract:
         raise SignatureMismatch(f"{name}.forward takes no {', '.join(missing)}: fused_linear_cross_entropy replaces "
                                 "the head + loss of a causal-LM forward that takes both")
     if not any(isinstance(n, ast.Name) and n.id == "logits_to_keep" and isinstance(n.ctx, ast.Load) for n in ast.walk(fn)):
-        raise SignatureMismatch(f"{name}.forward ignores logits_to_keep, so the fused head cannot skip its logits")
+        raise SignatureMismatch(f"{name}.forward ignores logits_to_keep, so fused_linear_cross_entropy cannot skip "
+                                "its logits; leave the fused head off for this family")
     softcap: tuple[str, ...] | None = None
     aux: tuple[str, ...] | None = None
     head_calls = 0
@@ -140,9 +163,12 @@ def read_head_contract(cls: type, lm_head: str = "lm_head") -> HeadContract:
                 if is_cap:
                     paths = [_self_path(n) for n in ast.walk(stmt.test) if isinstance(n, ast.Attribute)]
                     softcap = next((p for p in paths if p and p[-1] == _SOFTCAP), None)
+                    softcap = softcap or _text_config_softcap(fn, stmt.test)
                     if softcap is None:
-                        raise SignatureMismatch(f"{name}.forward soft-caps with `{test}` ({where(stmt)}), "
-                                                "not an attribute path the fused head can read")
+                        raise SignatureMismatch(
+                            f"{name}.forward soft-caps with `{test}` ({where(stmt)}), not read from an attribute "
+                            "path that fused_linear_cross_entropy can follow; leave the fused head off for this family"
+                        )
                 visit(stmt.body, in_softcap or is_cap)
                 visit(stmt.orelse, in_softcap)
                 continue

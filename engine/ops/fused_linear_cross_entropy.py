@@ -43,7 +43,17 @@ __all__ = ["FusedLinearCrossEntropyOp", "chunked_linear_cross_entropy", "linear_
 
 
 def _backbone_name(module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> str:
-    return patch.backbone or getattr(module, "base_model_prefix", "") or "model"
+    """The declared backbone, else ``base_model_prefix`` where it names a submodule, else ``model``.
+
+    Why the fallback: some heads inherit a prefix that is not their attribute (Llama 4's
+    ``Llama4ForCausalLM`` says ``language_model`` and holds ``model``).
+    """
+    if patch.backbone:
+        return patch.backbone
+    prefix = getattr(module, "base_model_prefix", "")
+    if prefix and isinstance(getattr(module, prefix, None), nn.Module):
+        return prefix
+    return "model" if isinstance(getattr(module, "model", None), nn.Module) else prefix or "model"
 
 
 @register_op
@@ -75,7 +85,10 @@ class FusedLinearCrossEntropyOp(ModuleOp):
         read_head_contract(type(module), patch.lm_head)
         backbone = _backbone_name(module, patch)
         if not isinstance(getattr(module, backbone, None), nn.Module):
-            raise SignatureMismatch(f"{cls} has no submodule {backbone!r} (backbone)")
+            raise SignatureMismatch(
+                f"fused_linear_cross_entropy cannot find the backbone of {cls}: no submodule {backbone!r}; "
+                "declare it with `backbone:` on the patch"
+            )
         head_weight(getattr(module, patch.lm_head, None), f"{cls}.{patch.lm_head}")
         from transformers.loss.loss_utils import ForCausalLMLoss
 
