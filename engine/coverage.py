@@ -179,8 +179,8 @@ def render_markdown(rows: list[CoverageRow]) -> str:
         f"bundled patchset here: {', '.join(liger_covered) or '-'}.",
         f"- Share of parameters under patched modules (covered types): median {_percent(median)}; "
         f"{sum(1 for x in shares if x >= 0.5)} of {len(shares)} patch more than half of the model (their MLPs); "
-        "the others patch norms (and shared or dense-layer MLPs) only: their routed experts, GeGLU or "
-        "fused gate_up MLPs wait for ops that compute them.",
+        "the others leave more unpatched: MLPs no op computes (xIELU, relu², parallel experts), some "
+        "routed experts, or large embeddings and vision towers (composite and small models).",
         "",
         "*share*: parameters under patched modules over all parameters, on the type's default (full-size) "
         "config built on the meta device. A norms-only patchset patches well under 1%; one that patches "

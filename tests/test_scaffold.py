@@ -35,14 +35,9 @@ _HAND_WRITTEN = {
                  "real checkpoints scale gate and output, so it is left unpatched on purpose",
     "mamba2": "written by hand; the scaffold's model for mamba2 differs (flash-linear-attention registers its own)",
 }
-#: Families whose scaffold finds more since the rope layouts and the fused gate_up swiglu landed
-#: (issue 12 part 2): their files are to be re-scaffolded and read (a merge-time task).
-_RESCAFFOLD = {"deepseek_v32", "ernie4_5", "ernie4_5_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoeshared",
-               "helium", "youtu"}
 #: The anchors' 15 families (the scaffold must reproduce each); families added later are checked too.
 FAMILIES = [
-    pytest.param(n, marks=pytest.mark.xfail(reason="to be re-scaffolded: the scaffold now finds more", strict=True))
-    if n in _RESCAFFOLD else n
+    n
     for n in bundled_names()
     if n not in _NOT_SCAFFOLDED and n not in _HAND_WRITTEN
 ]

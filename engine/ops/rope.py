@@ -95,6 +95,28 @@ def interleaved_rope_reference(
     return _rotate(q, cos, sin, _rotate_pairs).to(q.dtype), _rotate(k, cos, sin, _rotate_pairs).to(k.dtype)
 
 
+def upcast_interleaved_rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``interleaved`` in fp32, cast back (ERNIE 4.5): the pairs are turned in the input dtype and
+    each term upcast, ``q.float() * cos + turn(q).float() * sin``, so that bf16 gradients round as
+    the original's do (turning after the upcast gives the same forward but sums the gradient in fp32)."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1).float()
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1).float()
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        rot = cos.shape[-1]
+        x_rot = x[..., :rot]
+        out = (x_rot.float() * cos) + (_rotate_pairs(x_rot).float() * sin)
+        if rot < x.shape[-1]:
+            out = torch.cat((out, x[..., rot:].float()), dim=-1)
+        return out.to(x.dtype)
+
+    return turn(q), turn(k)
+
+
 def interleaved_to_half_rope_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -150,11 +172,7 @@ def build_reference(patch: RopePatch | None) -> Callable[..., tuple[torch.Tensor
     base = {RopeLayout.half: upcast_rope_reference if patch.upcast else rope_reference,
             RopeLayout.interleaved: interleaved_rope_reference}[patch.layout]
     if patch.upcast and patch.layout is not RopeLayout.half:
-        inner = base
-
-        def base(q, k, cos, sin, unsqueeze_dim=1):  # type: ignore[no-redef]  (fp32, cast back)
-            qo, ko = inner(q.float(), k.float(), cos.float(), sin.float(), unsqueeze_dim)
-            return qo.to(q.dtype), ko.to(k.dtype)
+        base = upcast_interleaved_rope_reference
 
     default = patch.unsqueeze_dim
     if base.__defaults__ == (default,):  # type: ignore[attr-defined]
