@@ -89,7 +89,8 @@ def _transformers_classes(model_type: str, composite: bool) -> tuple[Any, Any]:
     from transformers.models.auto import configuration_auto, modeling_auto
 
     config_name = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
-    tables = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    # a text sub-model type without a causal LM class (qwen2_vl_text): its base model, no LM head
+    tables = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES]
     if composite:
         tables.insert(0, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     model_name = next((t[model_type] for t in tables if model_type in t), None)
@@ -112,6 +113,9 @@ def build_tiny_model(
     attn_implementation: str | None = "eager",
 ) -> nn.Module:
     """A causal LM of ``model_type`` with the tiny base sizes plus ``config`` overrides.
+
+    A type with no causal LM class in transformers (a text sub-model such as ``qwen2_vl_text``)
+    gets its base model (``Qwen2VLTextModel``: hidden states out, no LM head).
 
     For a composite (multimodal) type the whole model is built (language model and vision
     tower): the base sizes go to ``text_config``, and ``config`` may give ``text_config`` and
