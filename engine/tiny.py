@@ -96,11 +96,30 @@ def _transformers_classes(model_type: str, composite: bool) -> tuple[Any, Any]:
     model_name = next((t[model_type] for t in tables if model_type in t), None)
     config_cls = getattr(transformers, config_name, None) if config_name else None
     model_cls = getattr(transformers, model_name, None) if isinstance(model_name, str) else None
+    if model_cls is None and config_cls is not None:
+        model_cls = _causal_lm_of_config(config_cls)
     if config_cls is None or model_cls is None:  # a type registered from outside transformers
         from transformers import AutoConfig, AutoModelForCausalLM
 
         return AutoConfig.for_model(model_type).__class__, AutoModelForCausalLM
     return config_cls, model_cls
+
+
+def _causal_lm_of_config(config_cls: type) -> Any:
+    """The ``*ForCausalLM`` class of ``config_cls``'s own modeling module that takes it, or None.
+
+    Why: some text sub-model types are in no Auto table (``mllama_text_model``), yet their
+    package has a causal LM for exactly that config (``MllamaForCausalLM``).
+    """
+    import importlib
+
+    module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    return next((c for n, c in vars(module).items() if n.endswith("ForCausalLM") and isinstance(c, type)
+                 and getattr(c, "config_class", None) is config_cls), None)
 
 
 def build_tiny_model(
