@@ -276,7 +276,13 @@ def image_features(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.T
     """
     owner = model if hasattr(model, "get_image_features") else getattr(model, "model", model)
     if hasattr(owner, "get_image_features"):
-        out = owner.get_image_features(**inputs)
+        try:
+            out = owner.get_image_features(**inputs)
+        except ValueError:  # images grouped per sample (Idefics3, SmolVLM): (batch, images, C, H, W)
+            pixels = inputs.get("pixel_values")
+            if pixels is None or pixels.dim() != 4:
+                raise
+            out = owner.get_image_features(**{**inputs, "pixel_values": pixels.unsqueeze(1)})
     else:  # a composite without the helper (mllama): its vision model directly
         out = owner.vision_model(**inputs)
     feats = getattr(out, "pooler_output", None)
