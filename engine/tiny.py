@@ -30,6 +30,8 @@ __all__ = [
 
 #: Config keys that count or size something: a tiny model needs them positive.
 _POSITIVE = re.compile(r"^num_\w*(layers|heads|experts)$|_size$|_dim$|^max_position_embeddings$")
+#: Counts of optional parts, where 0 means none (the scaffold writes 0 multi-token-prediction layers).
+_MAY_BE_ZERO = {"num_nextn_predict_layers"}
 
 #: Keyword arguments every tiny model starts from; a patchset's ``tiny_model.config`` adds to them.
 BASE_KWARGS: dict[str, Any] = {
@@ -197,7 +199,9 @@ def check_tiny_config(model_type: str, config: dict[str, Any], *, file: str | No
                 f"{value!r} is a {type(value).__name__}, but {model_type} configs take an {expected} here "
                 f"(default {default!r}); write it without quotes", file=file, key=where,
             )
-        if isinstance(value, int) and not isinstance(value, bool) and _POSITIVE.search(key) and value <= 0:
+        if isinstance(value, int) and not isinstance(value, bool) and _POSITIVE.search(key) and value <= 0 and not (
+            value == 0 and key in _MAY_BE_ZERO
+        ):
             raise PatchsetError(
                 f"{value} is not a valid size: {key} counts or sizes part of the model and must be a positive "
                 f"integer (a tiny model uses e.g. {BASE_KWARGS.get(key, 2)})", file=file, key=where,
