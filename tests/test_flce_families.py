@@ -29,7 +29,8 @@ NAMES = [n for n in bundled_names() if n != "qwen3_flce"]  # qwen3_flce is qwen3
 
 def _batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     batch = probe_batch(model, seq=12)
-    batch["labels"][0, :3] = -100
+    if "labels" in batch:  # a base model (no LM head) takes none
+        batch["labels"][0, :3] = -100
     return batch
 
 
