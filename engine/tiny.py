@@ -30,6 +30,8 @@ __all__ = [
 
 #: Config keys that count or size something: a tiny model needs them positive.
 _POSITIVE = re.compile(r"^num_\w*(layers|heads|experts)$|_size$|_dim$|^max_position_embeddings$")
+#: Counts of optional parts, where 0 means none (the scaffold writes 0 multi-token-prediction layers).
+_MAY_BE_ZERO = {"num_nextn_predict_layers"}
 
 #: Keyword arguments every tiny model starts from; a patchset's ``tiny_model.config`` adds to them.
 BASE_KWARGS: dict[str, Any] = {
@@ -89,17 +91,37 @@ def _transformers_classes(model_type: str, composite: bool) -> tuple[Any, Any]:
     from transformers.models.auto import configuration_auto, modeling_auto
 
     config_name = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
-    tables = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    # a text sub-model type without a causal LM class (qwen2_vl_text): its base model, no LM head
+    tables = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES]
     if composite:
         tables.insert(0, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     model_name = next((t[model_type] for t in tables if model_type in t), None)
     config_cls = getattr(transformers, config_name, None) if config_name else None
     model_cls = getattr(transformers, model_name, None) if isinstance(model_name, str) else None
+    if model_cls is None and config_cls is not None:
+        model_cls = _causal_lm_of_config(config_cls)
     if config_cls is None or model_cls is None:  # a type registered from outside transformers
         from transformers import AutoConfig, AutoModelForCausalLM
 
         return AutoConfig.for_model(model_type).__class__, AutoModelForCausalLM
     return config_cls, model_cls
+
+
+def _causal_lm_of_config(config_cls: type) -> Any:
+    """The ``*ForCausalLM`` class of ``config_cls``'s own modeling module that takes it, or None.
+
+    Why: some text sub-model types are in no Auto table (``mllama_text_model``), yet their
+    package has a causal LM for exactly that config (``MllamaForCausalLM``).
+    """
+    import importlib
+
+    module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    return next((c for n, c in vars(module).items() if n.endswith("ForCausalLM") and isinstance(c, type)
+                 and getattr(c, "config_class", None) is config_cls), None)
 
 
 def build_tiny_model(
@@ -112,6 +134,9 @@ def build_tiny_model(
     attn_implementation: str | None = "eager",
 ) -> nn.Module:
     """A causal LM of ``model_type`` with the tiny base sizes plus ``config`` overrides.
+
+    A type with no causal LM class in transformers (a text sub-model such as ``qwen2_vl_text``)
+    gets its base model (``Qwen2VLTextModel``: hidden states out, no LM head).
 
     For a composite (multimodal) type the whole model is built (language model and vision
     tower): the base sizes go to ``text_config``, and ``config`` may give ``text_config`` and
@@ -161,7 +186,10 @@ def check_tiny_config(model_type: str, config: dict[str, Any], *, file: str | No
     defaults = AutoConfig.for_model(model_type)
     for key, value in config.items():
         where = f"tiny_model.config.{key}"
-        default = getattr(defaults, key, None)
+        try:
+            default = getattr(defaults, key, None)
+        except Exception:  # a per-layer attribute (Gemma 4's head_dim) refuses global reads: no default to check
+            default = None
         kinds = (bool,) if isinstance(default, bool) else (int,) if isinstance(default, int) else (
             (int, float) if isinstance(default, float) else None
         )
@@ -171,7 +199,9 @@ def check_tiny_config(model_type: str, config: dict[str, Any], *, file: str | No
                 f"{value!r} is a {type(value).__name__}, but {model_type} configs take an {expected} here "
                 f"(default {default!r}); write it without quotes", file=file, key=where,
             )
-        if isinstance(value, int) and not isinstance(value, bool) and _POSITIVE.search(key) and value <= 0:
+        if isinstance(value, int) and not isinstance(value, bool) and _POSITIVE.search(key) and value <= 0 and not (
+            value == 0 and key in _MAY_BE_ZERO
+        ):
             raise PatchsetError(
                 f"{value} is not a valid size: {key} counts or sizes part of the model and must be a positive "
                 f"integer (a tiny model uses e.g. {BASE_KWARGS.get(key, 2)})", file=file, key=where,
@@ -250,7 +280,13 @@ def image_features(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.T
     """
     owner = model if hasattr(model, "get_image_features") else getattr(model, "model", model)
     if hasattr(owner, "get_image_features"):
-        out = owner.get_image_features(**inputs)
+        try:
+            out = owner.get_image_features(**inputs)
+        except ValueError:  # images grouped per sample (Idefics3, SmolVLM): (batch, images, C, H, W)
+            pixels = inputs.get("pixel_values")
+            if pixels is None or pixels.dim() != 4:
+                raise
+            out = owner.get_image_features(**{**inputs, "pixel_values": pixels.unsqueeze(1)})
     else:  # a composite without the helper (mllama): its vision model directly
         out = owner.vision_model(**inputs)
     feats = getattr(out, "pooler_output", None)

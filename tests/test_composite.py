@@ -31,7 +31,8 @@ def _composite_names() -> list[str]:
 
 COMPOSITES = _composite_names()
 #: Composite patchsets whose vision tower is not probed with pixels here, and why.
-NO_PIXEL_PROBE = {"gemma4": "its tower takes patches with 2-D position ids; no vision patch is declared"}
+NO_PIXEL_PROBE = {"gemma4": "its tower takes patches with 2-D position ids; no vision patch is declared",
+                  "muse_glimmer": "its tower takes temporal patches the probe does not build; no vision patch is declared"}
 
 
 def test_composites_are_bundled() -> None:

@@ -16,6 +16,7 @@ from conftest import tiny_for
 import engine
 from engine.loader import bundled_names, load_patchset
 from engine.verification import compare, probe_batch
+from engine.verification.models import surrogate_loss
 
 NAMES = bundled_names()
 
@@ -34,6 +35,11 @@ JUDGED_AGAINST_FP32 = {name for name in NAMES if any(p.op == "moe_experts" for p
 def _loss_logits_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     model.zero_grad(set_to_none=True)
     out = model(**batch)
+    if "last_hidden_state" in out:  # a base model (no LM head): its hidden states and their surrogate loss
+        loss = surrogate_loss(out.last_hidden_state)
+        loss.backward()
+        grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        return out.last_hidden_state.detach(), loss.detach(), grads
     out.loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
     logits = out.logits

@@ -32,8 +32,9 @@ def compare_models(
         ref_out = _forward_backward(reference, batch)
     pat_out = _forward_backward(patched, batch)
     cls = type(patched).__name__
-    dtype = DTYPE_NAMES.get(ref_out.logits.dtype, str(ref_out.logits.dtype))
-    pat_logits, logits_what = pat_out.logits, "logits"
+    head = "logits" if "logits" in ref_out else "last_hidden_state"  # a base model has no LM head
+    dtype = DTYPE_NAMES.get(ref_out[head].dtype, str(ref_out[head].dtype))
+    pat_logits, logits_what = pat_out.get(head), head
     if pat_logits is None:  # a fused head + loss does not materialize them: compare the generation path
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with torch.no_grad():
@@ -41,10 +42,10 @@ def compare_models(
         logits_what = "logits (no labels)"
     checks = [
         Check(MODEL, cls, "-", what, dtype, *compare(got, want))
-        for what, got, want in ((logits_what, pat_logits, ref_out.logits), ("loss", pat_out.loss, ref_out.loss))
+        for what, got, want in ((logits_what, pat_logits, ref_out[head]), ("loss", pat_out.loss, ref_out.loss))
     ]
     checks.append(_compare_grads(patched, reference, cls, dtype))
-    if ref_out.logits.dtype in (torch.bfloat16, torch.float16) and any(c.max_abs != 0.0 for c in checks):
+    if ref_out[head].dtype in (torch.bfloat16, torch.float16) and any(c.max_abs != 0.0 for c in checks):
         _judge_against_fp32(checks, patched, reference, batch, pat_logits, pat_out.loss, ref_out)
     patched.zero_grad(set_to_none=True)
     return checks
@@ -70,7 +71,8 @@ def _judge_against_fp32(
     truth = copy.deepcopy(reference).float()
     with torch_path(truth):
         truth_out = _forward_backward(truth, batch)
-    pairs = {checks[0].what: (pat_logits, ref_out.logits, truth_out.logits), "loss": (pat_loss, ref_out.loss, truth_out.loss)}
+    head = "logits" if "logits" in ref_out else "last_hidden_state"
+    pairs = {checks[0].what: (pat_logits, ref_out[head], truth_out[head]), "loss": (pat_loss, ref_out.loss, truth_out.loss)}
     for check in checks:
         if check.what in pairs:
             got, ref, exact = pairs[check.what]
@@ -105,8 +107,20 @@ def _as_faithful(got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor | Non
 def _forward_backward(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     model.zero_grad(set_to_none=True)
     out = model(**batch)
+    if getattr(out, "loss", None) is None and "last_hidden_state" in out:
+        out["loss"] = surrogate_loss(out.last_hidden_state)
     out.loss.backward()
     return out
+
+
+def surrogate_loss(hidden: torch.Tensor) -> torch.Tensor:
+    """The loss of a base model (no LM head): the mean square of its last hidden state, in fp32.
+
+    Why: a text model without a head (Qwen2VLTextModel, ...) returns hidden states, not logits;
+    every parameter still gets a gradient through them, so the gradients are compared as for a
+    causal LM.
+    """
+    return hidden.float().square().mean()
 
 
 def _compare_grads(patched: nn.Module, reference: nn.Module, cls: str, dtype: str) -> Check:

@@ -17,7 +17,7 @@ from engine.verification.compare import cast_floats
 
 
 def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A deterministic random batch of token ids (with labels) for a causal LM.
+    """A deterministic random batch of token ids (with labels where the model takes them).
 
     For a composite (multimodal) model the ids come from its text config's vocabulary, below
     every special multimodal token id, so the batch is text only (the vision tower is probed
@@ -32,7 +32,16 @@ def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    if not takes_labels(model):  # a base model (no LM head, e.g. Qwen2VLTextModel): no labels to give
+        return {"input_ids": ids}
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def takes_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``labels`` (a model with an LM head) or not (a base model)."""
+    import inspect
+
+    return "labels" in inspect.signature(model.forward).parameters
 
 
 def capture_inputs(model: nn.Module, decisions: Sequence[Any], batch: dict[str, torch.Tensor]) -> dict[str, Any]:
