@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import engine
+from engine import results_sections
 from engine.ops.flce_torch import chunked_linear_cross_entropy
 
 MIB = 1 << 20
@@ -225,15 +226,7 @@ SECTION = "fused-linear-cross-entropy"
 
 def write_section(path: Path, text: str, name: str = SECTION) -> None:
     """Put ``text`` in ``path`` between this section's markers, leaving every other section as it is."""
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}\n"
-    current = path.read_text() if path.exists() else ""
-    if begin in current and end in current:
-        head, rest = current.split(begin, 1)
-        current = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        current = current.rstrip("\n") + ("\n\n" if current else "") + block
-    path.write_text(current)
+    results_sections.write_section(path, text, name)
 
 
 def section_text(results: dict[str, Any]) -> str:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from engine import results_sections
+
 SHAPE = {"num_experts": 128, "num_experts_per_tok": 8, "hidden_size": 2048, "moe_intermediate_size": 768}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -163,19 +165,12 @@ def markdown(rows: list[dict[str, Any]], threads: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-BEGIN, END = "<!-- moe: written by benchmarks/moe.py -->", "<!-- /moe -->"
+SECTION = "moe"  # written by benchmarks/moe.py
 
 
 def write_section(path: Path, text: str, title: str = "### MoE experts") -> None:
     """Put ``text`` into ``path`` between this script's markers: other writers' sections stay as they are."""
-    old = path.read_text() if path.exists() else ""
-    section = f"{BEGIN}\n{title}\n\n{text.rstrip()}\n{END}\n"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + section + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old.strip() else "") + section
-    path.write_text(new)
+    results_sections.write_section(path, f"{title}\n\n{text.rstrip()}", SECTION)
 
 
 def main(argv: list[str] | None = None) -> int:

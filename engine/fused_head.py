@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.schema import FusedCrossEntropy, FusedLinearCrossEntropyPatch, Patchset
 
-__all__ = ["FusedSwitch", "with_fused_cross_entropy"]
+__all__ = ["FusedSwitch", "applied_fused_head", "with_fused_cross_entropy", "without_fused_head"]
 
 OP = "fused_linear_cross_entropy"
 
@@ -56,3 +56,25 @@ def with_fused_cross_entropy(patchset: Patchset, model: Any, switch: FusedSwitch
         op=OP, target=type(model).__name__, kernel=settings.kernel, chunk_size=settings.chunk_size
     )
     return patchset.model_copy(update={"patches": [*patchset.patches, patch], "fused_cross_entropy": setting})
+
+
+def without_fused_head(patchset: Patchset) -> Patchset:
+    """``patchset`` with the fused head removed: what identifies it when it is applied again.
+
+    Why: the fused head is an option of a patchset (``fused_cross_entropy=``), not another
+    patchset, so applying ``"qwen3"`` with the head switched on to a model patched with
+    ``"qwen3"`` re-plans it instead of refusing it as a different patchset.
+    """
+    kept = [p for p in patchset.patches if p.op != OP]
+    return patchset.model_copy(update={"patches": kept, "fused_cross_entropy": False})
+
+
+def applied_fused_head(patchset: Patchset, decisions: Any) -> Patchset:
+    """``patchset`` with exactly the fused head a model has now (``decisions`` of its report), or none.
+
+    Why: re-applying with ``fused_cross_entropy=None`` (no opinion, e.g. ``PatchsetCallback``)
+    keeps the head the model was patched with rather than the patchset file's default.
+    """
+    base = without_fused_head(patchset)
+    heads = {d.patch_index: d.patch for d in decisions if d.op == OP}
+    return base.model_copy(update={"patches": [*base.patches, *heads.values()]})

@@ -10,7 +10,9 @@ in reverse and the model is exactly as it was.
 
 Applying the patchset a model already has is never an error: with the same kernels it is a
 no-op; when the mode or device now needs other kernels (inference kernels without a
-backward, then ``model.train()``), the model is re-planned and re-patched. Another patchset
+backward, then ``model.train()``), or the fused head is switched on, off or re-set
+(``fused_cross_entropy=``, an option of the patchset, not another one), the model is
+re-planned and re-patched. Another patchset
 is refused (:class:`AlreadyPatched`): revert first. A patched model pickles (``torch.save``,
 ``copy.deepcopy``) and comes back patched.
 """
@@ -32,6 +34,7 @@ from torch import nn
 from engine import routing
 from engine.devices import require_present
 from engine.errors import AlreadyPatched
+from engine.fused_head import applied_fused_head, without_fused_head
 from engine.forwards import ForwardInstall, bottom_slot, install
 from engine.bound_forward import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
 from engine.ops.base import ModuleOp, get_op
@@ -144,9 +147,9 @@ def _patchset_key(patchset: Patchset) -> str:
     return json.dumps(patchset.model_dump(mode="json"), sort_keys=True)
 
 
-def _kernels(decisions: tuple[Decision, ...]) -> list[tuple[str, str, str, str | None]]:
-    """What a plan installs, module by module: equal lists patch the model identically."""
-    return [(d.path, d.op, d.action, d.kernel) for d in decisions]
+def _kernels(decisions: tuple[Decision, ...]) -> list[tuple[Any, ...]]:
+    """What a plan installs, module by module, with the settings: equal lists patch the model identically."""
+    return [(d.path, d.op, d.action, d.kernel, d.patch) for d in decisions]
 
 
 def apply(
@@ -163,8 +166,9 @@ def apply(
     (:class:`DeviceNotAvailable` otherwise); the model changes only if every one passes, and
     any failure while patching restores it. Applying the patchset the model already has is a
     no-op when it chooses the same kernels, and re-patches it when the mode or device needs
-    other ones (e.g. after ``model.train()``, kernels with a backward); another patchset
-    raises :class:`AlreadyPatched`. Verification is not the patcher's job:
+    other ones (e.g. after ``model.train()``, kernels with a backward) or the fused head is
+    switched (``fused_cross_entropy=True``/``False``/other settings; ``None`` keeps the head the
+    model has); another patchset raises :class:`AlreadyPatched`. Verification is not the patcher's job:
     :func:`engine.apply` (the facade, :mod:`engine.api`) runs it after this when asked to.
 
     Example:
@@ -181,14 +185,15 @@ def apply(
     model = unwrap(model)
     the_plan = plan(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
     require_present(the_plan.device, model)
-    key = _patchset_key(the_plan.patchset)
+    key = _patchset_key(without_fused_head(the_plan.patchset))  # the fused head is an option, not the identity
     state: AppliedState | None = model.__dict__.get(STATE_ATTR)
     if state is not None:
         if state.patchset_key != key:
-            raise AlreadyPatched(
-                f"{type(model).__name__} is already patched with {state.report.patchset!r}, not "
-                f"{the_plan.patchset.name!r}; revert first (engine.revert(model)), then apply the other patchset"
-            )
+            raise AlreadyPatched(_another_patchset(model, state, the_plan))
+        if fused_cross_entropy is None:  # no opinion: keep the fused head the model has (on or off, same settings)
+            kept = applied_fused_head(the_plan.patchset, state.report.decisions)
+            if kept != the_plan.patchset:
+                the_plan = plan(model, kept, device=the_plan.device, mode=the_plan.mode)
         if _kernels(state.report.decisions) == _kernels(the_plan.decisions):
             report = state.report  # the same kernels: nothing to change; the report follows the new plan
             report.device, report.mode, report.decisions = the_plan.device.value, the_plan.mode, the_plan.decisions
@@ -197,6 +202,17 @@ def apply(
     else:
         report = _install(model, the_plan, key)
     return report
+
+
+def _another_patchset(model: nn.Module, state: AppliedState, the_plan: Plan) -> str:
+    applied, wanted = state.report.patchset, the_plan.patchset.name
+    if applied == wanted:  # same name, other content (an edited copy of the file, say)
+        what = (f"another version of {wanted!r} (now from {the_plan.patchset.files[0] if the_plan.patchset.files else 'a dict'}"
+                f"; applied from {state.report.files[0] if state.report.files else 'a dict'})")
+    else:
+        what = f"{wanted!r}"
+    return (f"{type(model).__name__} is already patched with {applied!r}, not {what}; revert first "
+            "(engine.revert(model)), then apply the other patchset")
 
 
 def _install(model: nn.Module, the_plan: Plan, key: str) -> Report:

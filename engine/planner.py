@@ -310,7 +310,7 @@ def _plan_module_patch(
     for _, module in matches:
         op.check_target(module, patch)
     provider, reason = resolve_kernel(
-        op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch,
+        op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=op.kernel_settings(matches[0][1], patch),
         dtensor=dtensor_parameter(model, matches),
     )
     for path, module in matches:

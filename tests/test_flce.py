@@ -303,3 +303,31 @@ def test_memory_one_chunk_at_a_time_and_gradients_in_place(dtype: torch.dtype) -
     backward_peak = _peak_rise(lambda: (3.0 * box.pop("loss")).backward())
     assert backward_peak < v * h * elem / 4, backward_peak  # scaled in place, handed over as .grad
     assert weight.grad is not None and weight.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("divisor", [4.0, 0.3])
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "softcap"])
+def test_chunked_kernel_divides_each_chunk_as_the_reference(divisor: float, softcap: float | None) -> None:
+    """Granite's ``logits / logits_scaling``: the chunked kernel's loss and both gradients equal the reference."""
+    kw = {"softcap": softcap, "chunk_size": 5, "logit_divisor": divisor}
+    h, w, t = _inputs()
+    ref_loss, *ref_grads = _loss_and_grads(linear_cross_entropy_reference, h, w, t, **kw)
+    loss, *grads = _loss_and_grads(chunked_linear_cross_entropy, h, w, t, **kw)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    undivided, *_ = _loss_and_grads(linear_cross_entropy_reference, h, w, t, softcap=softcap)
+    assert abs(undivided.item() - ref_loss.item()) > 1e-3  # the division is not a no-op here
+
+
+def test_liger_refuses_granites_logit_division_at_plan_time() -> None:
+    """Liger's FLCE has no logit division: ``auto`` passes over it on CUDA, an explicit liger is refused."""
+    granite = tiny_for("granite", logits_scaling=4.0)
+    plan = engine.plan(granite, "granite", device="cuda", mode="training", fused_cross_entropy=True)
+    head = [d for d in plan.decisions if d.op == "fused_linear_cross_entropy"]
+    assert [d.kernel for d in head] == ["torch"]
+    assert "liger" in head[0].reason
+    with pytest.raises(engine.PatchError, match="no logit division"):
+        engine.plan(granite, "granite", device="cuda", mode="training", fused_cross_entropy={"kernel": "liger"})
+    qwen3 = engine.plan(tiny_for("qwen3"), "qwen3", device="cuda", mode="training", fused_cross_entropy=True)
+    assert [d.kernel for d in qwen3.decisions if d.op == "fused_linear_cross_entropy"] != [None]

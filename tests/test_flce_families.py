@@ -125,12 +125,40 @@ def test_tied_and_untied_embeddings(tied: bool) -> None:
         assert torch.allclose(pat_grads[k], ref_grads[k], atol=1e-5, rtol=0), k
 
 
-def test_a_family_that_scales_its_logits_is_refused() -> None:
-    """Granite divides its logits by logits_scaling after the head: refused, naming the line."""
+@pytest.mark.parametrize("name", ["granite", "granitemoe", "granitemoeshared"])
+def test_granite_logits_scaling_is_reproduced(name: str) -> None:
+    """Granite divides its logits by ``config.logits_scaling`` after the head: the kernel divides each chunk.
+
+    The bundled tiny configs keep transformers' default scaling of 1.0, under which a dropped
+    division would go unnoticed; 4.0 (and a change after apply: read at call time) would not.
+    """
+    reference = tiny_for(name, logits_scaling=4.0)
+    reference.train()
+    if hasattr(reference.config, "output_router_logits"):
+        reference.config.output_router_logits = True
+    patched = copy.deepcopy(reference)
+    engine.apply(patched, name, device="cpu", fused_cross_entropy={"chunk_size": 7})
+    batch = _batch(reference)
+    for scaling in (4.0, 0.25):
+        reference.config.logits_scaling = patched.config.logits_scaling = scaling
+        ref, ref_grads = _step(reference, batch)
+        pat, pat_grads = _step(patched, batch)
+        assert pat.logits is None and ref.logits is not None
+        assert abs(pat.loss.item() - ref.loss.item()) <= 1e-5, (scaling, pat.loss.item(), ref.loss.item())
+        assert pat_grads.keys() == ref_grads.keys()
+        for k in ref_grads:
+            assert torch.allclose(pat_grads[k], ref_grads[k], atol=1e-5, rtol=0), (scaling, k)
+    unscaled = copy.deepcopy(reference)
+    unscaled.config.logits_scaling = 1.0
+    assert abs(_step(unscaled, batch)[0].loss.item() - ref.loss.item()) > 1e-3  # the scaling matters here
+
+
+def test_a_family_that_multiplies_its_logits_is_refused() -> None:
+    """Cohere multiplies its logits by logit_scale after the head: refused at plan time, naming the line."""
     from engine.tiny import build_tiny_model
 
-    model = build_tiny_model("granite", {"logits_scaling": 4.0})
-    ps = {"name": "granite", "model_types": ["granite"], "patches": []}
-    with pytest.raises(SignatureMismatch, match=r"changes the logits after the head .*logits_scaling"):
+    model = build_tiny_model("cohere", {"logit_scale": 4.0})
+    ps = {"name": "cohere", "model_types": ["cohere"], "patches": []}
+    with pytest.raises(SignatureMismatch, match=r"changes the logits after the head .*logit_scale"):
         engine.apply(model, ps, device="cpu", fused_cross_entropy=True)
     assert not is_patched(model) and "forward" not in model.__dict__

@@ -172,3 +172,55 @@ def test_a_replan_that_fails_leaves_the_model_as_it_was(
         assert applied_report(qwen3).mode == "inference"  # type: ignore[union-attr]
     finally:
         engine.revert(qwen3)
+
+
+# -- the fused head is an option of the patchset, not another patchset (issue 13 follow-up) ----------
+
+
+def _heads(model: torch.nn.Module) -> list[str]:
+    report = applied_report(model)
+    assert report is not None
+    return [d.kernel for d in report.decisions if d.op == "fused_linear_cross_entropy"]  # type: ignore[misc]
+
+
+def test_switching_the_fused_head_on_and_off_replans(qwen3: torch.nn.Module, ids: torch.Tensor) -> None:
+    reference = copy.deepcopy(qwen3).train()
+    ref_loss, ref_g = _loss_and_grads(reference, ids)
+    before = snapshot(qwen3)
+    qwen3.train()
+    engine.apply(qwen3, "qwen3", device="cpu")
+    try:
+        assert _heads(qwen3) == []
+        on = engine.apply(qwen3, "qwen3", device="cpu", fused_cross_entropy={"chunk_size": 5})  # was AlreadyPatched
+        assert _heads(qwen3) == ["torch"] and on is applied_report(qwen3)
+        out = qwen3(input_ids=ids, labels=ids)
+        assert out.logits is None  # the fused head ran: no [tokens, vocab] logits in training
+        loss, g = _loss_and_grads(qwen3, ids)
+        assert abs(loss.item() - ref_loss.item()) <= TOL and max_diff(g, ref_g) <= TOL
+
+        same = engine.apply(qwen3, "qwen3", device="cpu")  # no opinion (None): the head stays as it is
+        assert same is on and _heads(qwen3) == ["torch"]
+        other_chunks = engine.apply(qwen3, "qwen3", device="cpu", fused_cross_entropy={"chunk_size": 7})
+        assert other_chunks is not on  # other settings: re-planned
+        assert [d.patch.chunk_size for d in other_chunks.decisions if d.op == "fused_linear_cross_entropy"] == [7]
+
+        engine.apply(qwen3, "qwen3", device="cpu", fused_cross_entropy=False)
+        assert _heads(qwen3) == [] and qwen3(input_ids=ids, labels=ids).logits is not None
+        loss, g = _loss_and_grads(qwen3, ids)
+        assert abs(loss.item() - ref_loss.item()) <= TOL and max_diff(g, ref_g) <= TOL
+    finally:
+        assert engine.revert(qwen3) is True
+    assert_same(before, snapshot(qwen3))
+
+
+def test_another_version_of_the_same_name_is_refused_with_both_files(qwen3: torch.nn.Module, tmp_path) -> None:
+    engine.apply(qwen3, "qwen3", device="cpu")
+    edited = engine.load_patchset("qwen3").model_dump(mode="json")
+    edited["patches"] = edited["patches"][:1]
+    try:
+        with pytest.raises(engine.AlreadyPatched) as info:
+            engine.apply(qwen3, edited, device="cpu")
+        message = str(info.value)
+        assert "another version of 'qwen3'" in message and "qwen3.yaml" in message and "engine.revert(model)" in message
+    finally:
+        engine.revert(qwen3)

@@ -15,7 +15,10 @@ So the call is built by binding keyword arguments to the installed ``forward``'s
 ``reduction="sum"`` followed by a division, exactly as transformers' ``fixed_cross_entropy``
 and Liger's own ``LigerForCausalLMLoss`` do; the head-gradient accumulation runs in fp32
 in the weight's dtype (``accum_dtype=None``, Liger's default, as the torch kernel does: no fp32
-``[V, H]`` buffer in bf16). Gemma's soft-cap maps to ``softcap``. Not run here (no GPU): tests/test_flce.py checks the mapping against the
+``[V, H]`` buffer in bf16). Gemma's soft-cap maps to ``softcap``. Granite's logit division (``logits / config.logits_scaling``)
+has no parameter in Liger's FLCE (Liger's own ``apply_liger_kernel_to_granite`` refuses its fused
+loss), so :func:`_supports` refuses it at plan time and ``auto`` passes over liger to the torch
+kernel; dividing the weight or the hidden states first would round differently. Not run here (no GPU): tests/test_flce.py checks the mapping against the
 installed signature when liger-kernel imports, and against a torch emulator of the documented
 contract otherwise.
 """
@@ -57,8 +60,10 @@ def liger_flce(function: Any) -> Callable[..., torch.Tensor]:
     def kernel(
         hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
         ignore_index: int = -100, num_items_in_batch: Any = None, chunk_size: int | None = None,
-        softcap: float | None = None,
+        softcap: float | None = None, logit_divisor: float | None = None,
     ) -> torch.Tensor:
+        if logit_divisor is not None:  # refused at plan time (_supports); never computed without it
+            raise ValueError("liger's fused linear cross-entropy has no logit division (Granite's logits_scaling)")
         fn = function(hidden.device.type) if callable(function) and not hasattr(function, "apply") else function
         reduction = "sum" if num_items_in_batch is not None else "mean"
         args = liger_arguments(
@@ -89,6 +94,15 @@ def liger_function_for(device_type: str) -> Any:
     return LigerFusedLinearCrossEntropyFunction
 
 
+def _supports(settings: Any) -> str | None:
+    """Refuse what Liger's FLCE does not compute: a logit division read from the forward (Granite)."""
+    contract = getattr(settings, "contract", None)
+    if getattr(contract, "divisor_path", None) is not None:
+        return (f"liger: no logit division (the forward divides its logits by self.{'.'.join(contract.divisor_path)}, "
+                "as Granite does); use kernel torch")
+    return None
+
+
 def _build(patch: Any) -> Callable[..., torch.Tensor]:
     return liger_flce(liger_function_for)
 
@@ -99,6 +113,7 @@ register(
         op="fused_linear_cross_entropy",
         devices=frozenset({Device.cuda, Device.npu}),
         build=_build,
+        supports=_supports,
         requires=(LIGER,),
         description="Liger-Kernel Triton fused linear cross-entropy, CUDA and its Ascend backend (chunks by Liger)",
     )

@@ -78,6 +78,15 @@ class ModuleOp(Op):
         """Raise :class:`SignatureMismatch` (or PatchError) when ``module`` cannot take this op."""
         raise NotImplementedError
 
+    def kernel_settings(self, module: nn.Module, patch: Any) -> Any:
+        """What providers' ``supports`` judge for ``module``: the patch, unless the op also reads the module.
+
+        Why: some numerics are found in the model, not declared (the fused head reads Granite's
+        logit division from the forward's code), and a provider must be able to refuse them at
+        plan time so ``auto`` passes over it. The result has the patch's attributes.
+        """
+        return patch
+
     def bind(self, module: nn.Module, patch: Any, impl: Callable[..., Any]) -> Callable[..., Any]:
         """A plain function ``forward(self, ...)`` to be bound to ``module`` with MethodType."""
         raise NotImplementedError

@@ -8,12 +8,14 @@ templates, so the steps are few and recognizable:
 * ``hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)`` before the head
   (the patched forward passes an empty index so the model computes no logits at all);
 * ``logits = self.lm_head(hidden_states)``;
+* optionally Granite's logit scaling: ``logits = logits / self.config.logits_scaling`` (a
+  division by an attribute path, read at call time; the kernel divides each chunk's logits);
 * optionally Gemma's soft-capping: ``if <...>.final_logit_softcapping is not None:`` with
   ``logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap``;
 * ``loss = self.loss_function(logits, labels, ...)`` under ``if labels is not None``;
 * optionally the MoE router loss: ``loss += self.<coef> * aux_loss.to(loss.device)``.
 
-Anything else that touches ``logits`` or ``loss`` (a logit scale, a z-loss, a different
+Anything else that touches ``logits`` or ``loss`` (a multiplication, a z-loss, a different
 loss) is refused at plan time, naming the line, rather than silently computing another loss.
 """
 
@@ -41,6 +43,11 @@ class HeadContract:
 
     softcap_path: tuple[str, ...] | None  # attributes from the model to the final-logit soft-cap, if applied
     aux_coef_path: tuple[str, ...] | None  # attributes from the model to the coefficient of ``aux_loss``, if added
+    divisor_path: tuple[str, ...] | None = None  # attributes from the model to what the logits are divided by, if any
+
+    def divisor(self, model: object) -> float | None:
+        """What the forward divides the logits by now (Granite's ``config.logits_scaling``), or None."""
+        return None if self.divisor_path is None else _resolve(model, self.divisor_path)
 
     def softcap(self, model: object) -> float | None:
         """The soft-cap value the forward would apply now (read at call time, as the forward does)."""
@@ -114,6 +121,18 @@ def _calls_self_attr(node: ast.AST, attr: str) -> bool:
     )
 
 
+def _logit_divisor(node: ast.stmt) -> tuple[str, ...] | None:
+    """The path of ``self.<...>`` in ``logits = logits / self.<...>``, else None."""
+    if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == "logits"):
+        return None
+    value = node.value
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Div)
+            and isinstance(value.left, ast.Name) and value.left.id == "logits"):
+        return None
+    return _self_path(value.right)
+
+
 def _aux_coef(node: ast.AugAssign) -> tuple[str, ...] | None:
     """The path of ``self.<...>`` in ``loss += self.<...> * aux_loss...``, else None."""
     value = node.value
@@ -149,13 +168,14 @@ def read_head_contract(cls: type, lm_head: str = "lm_head") -> HeadContract:
                                 "its logits; leave the fused head off for this family")
     softcap: tuple[str, ...] | None = None
     aux: tuple[str, ...] | None = None
+    divisor: tuple[str, ...] | None = None
     head_calls = 0
 
     def where(node: ast.AST) -> str:
         return f"{file}:{first + getattr(node, 'lineno', 1) - 1}"
 
     def visit(stmts: list[ast.stmt], in_softcap: bool) -> None:
-        nonlocal softcap, aux, head_calls
+        nonlocal softcap, aux, divisor, head_calls
         for stmt in stmts:
             if isinstance(stmt, ast.If):
                 test = ast.unparse(stmt.test)
@@ -180,6 +200,10 @@ def read_head_contract(cls: type, lm_head: str = "lm_head") -> HeadContract:
             if _calls_self_attr(stmt, lm_head):
                 head_calls += 1
                 continue
+            if "logits" in names and not in_softcap and head_calls == 1 and softcap is None and divisor is None:
+                divisor = _logit_divisor(stmt)
+                if divisor is not None:
+                    continue
             if "logits" in names and not in_softcap:
                 raise SignatureMismatch(
                     f"{name}.forward changes the logits after the head ({where(stmt)}: `{ast.unparse(stmt)}`), "
@@ -203,7 +227,7 @@ def read_head_contract(cls: type, lm_head: str = "lm_head") -> HeadContract:
     if head_calls != 1:
         raise SignatureMismatch(f"{name}.forward calls self.{lm_head} {head_calls} times; fused_linear_cross_entropy "
                                 "replaces a forward that calls its head once")
-    return HeadContract(softcap_path=softcap, aux_coef_path=aux)
+    return HeadContract(softcap_path=softcap, aux_coef_path=aux, divisor_path=divisor)
 
 
 def head_weight(head: object, where: str) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The torch kernels of ``fused_linear_cross_entropy``: the reference and the chunked one.
 
 Kernel signature (every provider): ``kernel(hidden [N, H], weight [V, H], target [N], *,
-ignore_index, num_items_in_batch, chunk_size, softcap) -> loss`` (a 0-d fp32 tensor), where
-``target`` is already shifted. It computes what transformers computes after the backbone:
-``logits = hidden @ weight.T`` in the model's dtype, ``softcap * tanh(logits / softcap)``
+ignore_index, num_items_in_batch, chunk_size, softcap, logit_divisor) -> loss`` (a 0-d fp32
+tensor), where ``target`` is already shifted. It computes what transformers computes after the
+backbone: ``logits = hidden @ weight.T`` in the model's dtype, ``logits / logit_divisor`` when
+the family scales its logits (Granite's ``logits_scaling``: each chunk's logits are divided,
+exactly as the model divides them, never the hidden states or the weight), ``softcap * tanh(logits / softcap)``
 when the family soft-caps (Gemma 2/3), ``logits.float()``, then ``cross_entropy`` with
 ``reduction="mean"``, or ``"sum"`` divided by ``num_items_in_batch`` when that is given.
 
@@ -54,8 +56,10 @@ def _denominator(target: torch.Tensor, ignore_index: int, num_items_in_batch: An
     return float(num_items_in_batch)
 
 
-def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma's final-logit soft-capping, in the logits' dtype and in transformers' order."""
+def _capped(logits: torch.Tensor, softcap: float | None, divisor: float | None = None) -> torch.Tensor:
+    """Granite's logit division, then Gemma's final-logit soft-capping, in the logits' dtype and in transformers' order."""
+    if divisor is not None:
+        logits = logits / divisor
     if softcap is None:
         return logits
     return torch.tanh(logits / softcap) * softcap
@@ -70,9 +74,10 @@ def linear_cross_entropy_reference(
     num_items_in_batch: Any = None,
     chunk_size: int | None = None,
     softcap: float | None = None,
+    logit_divisor: float | None = None,
 ) -> torch.Tensor:
     """The ground truth: all logits materialized, exactly as transformers' forward + ``ForCausalLMLoss``."""
-    logits = _capped(F.linear(hidden, weight), softcap).float()
+    logits = _capped(F.linear(hidden, weight), softcap, logit_divisor).float()
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
     if num_items_in_batch is None:
@@ -84,12 +89,14 @@ def linear_cross_entropy_reference(
 
 def _chunk_loss_and_grad(
     h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore_index: int, denominator: float,
-    softcap: float | None, need_grad: bool,
+    softcap: float | None, divisor: float | None, need_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: its summed loss, and the gradient of ``loss / denominator`` w.r.t. its raw logits."""
     valid = t != ignore_index
     safe_t = torch.where(valid, t, 0).unsqueeze(1)
     raw = F.linear(h, weight)  # as the model: head in its dtype
+    if divisor is not None:
+        raw.div_(divisor)  # as the model divides its logits (a fresh buffer: in place)
     capped = _capped(raw, softcap)
     del raw
     z = capped.float()  # the loss in fp32 (a fresh buffer unless the model is fp32)
@@ -115,6 +122,8 @@ def _chunk_loss_and_grad(
         del capped
         grad.mul_(tanh.div_(softcap).square_().neg_().add_(1.0))
         del tanh
+    if divisor is not None:  # d(x / divisor)/dx, in the logits' dtype as autograd's DivBackward
+        grad = grad.to(h.dtype).div_(divisor)
     return loss_sum, grad.to(h.dtype)  # the model's logits.float() casts its gradient back
 
 
@@ -124,7 +133,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-        ignore_index: int, denominator: float, chunk_size: int, softcap: float | None,
+        ignore_index: int, denominator: float, chunk_size: int, softcap: float | None, divisor: float | None,
     ) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -139,7 +148,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, rows.shape[0], chunk_size):
             h = rows[start : start + chunk_size]
             chunk_loss, grad = _chunk_loss_and_grad(
-                h, weight, labels[start : start + chunk_size], ignore_index, denominator, softcap, need_h or need_w
+                h, weight, labels[start : start + chunk_size], ignore_index, denominator, softcap, divisor, need_h or need_w
             )
             loss_sum += chunk_loss
             if grad is not None:
@@ -176,7 +185,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_h.mul_(grad_output.to(grad_h.dtype))
             if grad_w is not None:
                 grad_w.mul_(grad_output.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -188,8 +197,11 @@ def chunked_linear_cross_entropy(
     num_items_in_batch: Any = None,
     chunk_size: int | None = None,
     softcap: float | None = None,
+    logit_divisor: float | None = None,
 ) -> torch.Tensor:
     """The ``torch`` provider: chunked over tokens, gradients computed per chunk, accumulated in place."""
     chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
     denominator = _denominator(target, ignore_index, num_items_in_batch)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, ignore_index, denominator, chunk, softcap)
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, target, ignore_index, denominator, chunk, softcap, logit_divisor
+    )

@@ -26,6 +26,7 @@ The patched forward keeps transformers' contract:
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -99,6 +100,10 @@ class FusedLinearCrossEntropyOp(ModuleOp):
                 "fused_linear_cross_entropy computes the causal-LM cross-entropy only"
             )
 
+    def kernel_settings(self, module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> Any:
+        """The patch plus the head contract read from the forward (a provider may not do Granite's division)."""
+        return FusedHeadSettings(patch, read_head_contract(type(module), patch.lm_head))
+
     def bind(
         self, module: nn.Module, patch: FusedLinearCrossEntropyPatch, impl: Callable[..., Any]
     ) -> Callable[..., Any]:
@@ -123,6 +128,19 @@ class FusedLinearCrossEntropyOp(ModuleOp):
         forward.__name__ = "forward"
         forward.__qualname__ = f"{type(module).__qualname__}.forward"
         return forward
+
+
+@dataclass(frozen=True)
+class FusedHeadSettings:
+    """What a provider's ``supports`` sees: the patch's settings and the steps read from the forward."""
+
+    patch: FusedLinearCrossEntropyPatch
+    contract: HeadContract
+
+    def __getattr__(self, name: str) -> Any:  # only for names not defined here: the patch's settings
+        if name.startswith("__") or name in ("patch", "contract"):
+            raise AttributeError(name)
+        return getattr(self.patch, name)
 
 
 def _fused_forward(
@@ -158,7 +176,7 @@ def _fused_forward(
     loss = impl(
         hidden.reshape(-1, hidden.shape[-1]), weight, shift_labels.reshape(-1).to(hidden.device),
         ignore_index=ignore_index, num_items_in_batch=extra.get("num_items_in_batch"),
-        chunk_size=patch.chunk_size, softcap=contract.softcap(model),
+        chunk_size=patch.chunk_size, softcap=contract.softcap(model), logit_divisor=contract.divisor(model),
     )
     aux = out.get("aux_loss")
     coef = contract.aux_coef(model)
