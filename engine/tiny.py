@@ -26,6 +26,7 @@ __all__ = [
     "perturb_",
     "tiny_config_kwargs",
     "tiny_vision_inputs",
+    "vision_only_inputs",
 ]
 
 #: Config keys that count or size something: a tiny model needs them positive.
@@ -225,14 +226,40 @@ def build_tiny_for(
         model = build_tiny_model(mt, config, dtype=dtype, seed=seed)
         from engine.hub_functions import torch_path
 
+        smoke = vision_only_inputs(model, batch=1) or {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
         with torch.no_grad(), torch_path(model):  # values that build but do not fit (heads vs kv heads) fail here
-            model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+            model(**smoke)
     except Exception as exc:  # whatever transformers' config, model __init__ or forward raises for these values
         raise PatchsetError(
             f"building a tiny {mt} model from it failed: {type(exc).__name__}: {str(exc).strip()}. "
             f"Fix the values (keyword arguments of AutoConfig.for_model({mt!r}))", file=file, key="tiny_model.config",
         ) from exc
     return model
+
+
+def vision_only_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor] | None:
+    """Random images for a vision-only model (``forward(pixel_values, ...)``, no ``input_ids``), else None.
+
+    Why: a vision tower on its own (PixtralVisionModel) takes no token ids; its images are
+    ``(batch, num_channels, image_size, image_size)`` read off its config, with ``image_sizes``
+    (every image full size) where its forward takes them. Two images exercise how the model
+    joins several images (Pixtral: one sequence with a block-diagonal attention mask).
+    """
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" in params or "pixel_values" not in params:
+        return None
+    config = model.config
+    size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+    channels = int(getattr(config, "num_channels", 3))
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    pixels = torch.randn(batch, channels, size, size, generator=gen).to(device, next(model.parameters()).dtype)
+    inputs = {"pixel_values": pixels}
+    if "image_sizes" in params:
+        inputs["image_sizes"] = torch.tensor([[size, size]] * batch, device=device)
+    return inputs
 
 
 def tiny_vision_inputs(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Tensor] | None:

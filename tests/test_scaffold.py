@@ -36,6 +36,8 @@ _HAND_WRITTEN = {
                     "extends its composite's patchset, whose text patches the family test checks"),
     "falcon_h1": "the scaffold's tiny config has mlp_multipliers 1.0, where FalconH1MLP looks like swiglu; "
                  "real checkpoints scale gate and output, so it is left unpatched on purpose",
+    "pixtral": "vision-only model (PixtralVisionModel takes pixel_values): the scaffold builds and measures "
+               "token-id models; the file was written by hand and measured with `python -m engine verify pixtral`",
     "mamba2": "written by hand; the scaffold's model for mamba2 differs (flash-linear-attention registers its own)",
 }
 #: The anchors' 15 families (the scaffold must reproduce each); families added later are checked too.

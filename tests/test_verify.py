@@ -199,3 +199,25 @@ def test_a_kernel_that_detaches_fails_the_gradient_check(qwen3: torch.nn.Module)
         assert "(no gradient in the patched model)" in str(err)
     finally:
         registry.unregister("detached", "rms_norm")
+
+
+def test_a_vision_only_model_is_probed_with_images_from_its_config() -> None:
+    """PixtralVisionModel takes pixel_values and image_sizes, no token ids: the probe builds two
+    images from its config (num_channels, image_size), and each is processed on its own (the
+    block-diagonal mask), so the probe exercises how the model joins several images."""
+    from engine.verification import probe_batch
+
+    model = tiny_for("pixtral")
+    batch = probe_batch(model)
+    assert set(batch) == {"pixel_values", "image_sizes"}
+    cfg = model.config
+    assert batch["pixel_values"].shape == (2, cfg.num_channels, cfg.image_size, cfg.image_size)
+    assert batch["image_sizes"].tolist() == [[cfg.image_size, cfg.image_size]] * 2
+    patches = (cfg.image_size // cfg.patch_size) ** 2
+    with torch.no_grad():
+        both = model(**batch).last_hidden_state
+        first = model(pixel_values=batch["pixel_values"][:1], image_sizes=batch["image_sizes"][:1]).last_hidden_state
+    assert both.shape[1] == 2 * patches
+    assert torch.allclose(both[:, :patches], first, atol=1e-5)
+    assert not torch.allclose(both[:, :patches], both[:, patches:], atol=1e-3)
+    assert "input_ids" in probe_batch(tiny_for("qwen3"))  # a token-id model is probed as before

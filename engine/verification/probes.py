@@ -19,10 +19,17 @@ from engine.verification.compare import cast_floats
 def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     """A deterministic random batch of token ids (with labels where the model takes them).
 
+    A vision-only model gets ``batch`` random images instead (see :func:`engine.tiny.vision_only_inputs`).
+
     For a composite (multimodal) model the ids come from its text config's vocabulary, below
     every special multimodal token id, so the batch is text only (the vision tower is probed
     separately with pixels, see :func:`_vision_step`).
     """
+    from engine.tiny import vision_only_inputs
+
+    pixels = vision_only_inputs(model, batch=batch, seed=seed)
+    if pixels is not None:  # a vision-only model (PixtralVisionModel): images, no token ids
+        return pixels
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = int(text.vocab_size)
@@ -102,8 +109,8 @@ def _decode_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
     A model that cannot decode this way simply leaves those functions uncaptured, and the
     verification reports them as never called.
     """
-    ids = batch["input_ids"]
-    if ids.shape[-1] < 2:
+    ids = batch.get("input_ids")
+    if ids is None or ids.shape[-1] < 2:
         return
     try:
         out = model(input_ids=ids[:, :-1], use_cache=True)
