@@ -30,7 +30,7 @@ from engine import routing
 from engine.errors import PatchError
 from engine.hub_functions import torch_body, torch_path
 from engine.ops.base import FunctionOp, ModuleOp, all_ops
-from engine.verification.compare import compare
+from engine.verification.compare import cast_floats, compare
 
 __all__ = ["Finding", "Measurement", "Scaffold", "scaffold"]
 
@@ -157,16 +157,6 @@ def _require_causal_lm(model_type: str) -> None:
         )
 
 
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
-
-
 # ---------------------------------------------------------------------------------------- capture
 
 
@@ -199,7 +189,7 @@ def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], An
     handles = []
     for path, module in model.named_modules():
         def hook(mod: nn.Module, args: Any, kwargs: Any, _path: str = path) -> None:
-            modules.setdefault(_path, (_cast(args, torch.float32), _cast(kwargs, torch.float32)))
+            modules.setdefault(_path, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     routers = []
@@ -208,7 +198,7 @@ def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], An
         router = routing.acquire(*key)
 
         def observe(args: Any, kwargs: Any, _key: tuple[str, str] = key) -> None:
-            functions.setdefault(_key, (_cast(args, torch.float32), _cast(kwargs, torch.float32)))
+            functions.setdefault(_key, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
 
         router.observers.append(observe)
         routers.append((router, observe, key))
@@ -263,7 +253,7 @@ class _Originals:
         if key not in self._cache:
             args, kwargs = self.captured[path]
             clone = copy.deepcopy(module).to(dtype)
-            args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
+            args, kwargs = cast_floats(args, dtype), cast_floats(kwargs, dtype)
             with torch.no_grad():
                 expected = truth(clone, *args, **kwargs)
             self._cache[key] = (clone, args, kwargs, expected)
@@ -377,7 +367,7 @@ def _measure_function(op: FunctionOp, patch: Any, called: list[tuple[Any, Any]])
     for dtype in DTYPES:
         worst = 0.0
         for function, (args, kwargs) in called:
-            a, k = _cast(args, dtype), _cast(kwargs, dtype)
+            a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
             try:
                 with torch.no_grad():
                     expected = torch_body(function)(*a, **k)
