@@ -38,6 +38,7 @@ from engine.errors import SignatureMismatch
 from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
 from engine.ops.causal_lm_head import HeadContract, head_weight, read_head_contract
 from engine.ops.flce_torch import chunked_linear_cross_entropy, linear_cross_entropy_reference
+from engine.ops.tied_gradient import deposit, tied_embedding_gradient
 from engine.schema import FusedLinearCrossEntropyPatch
 
 __all__ = ["FusedLinearCrossEntropyOp", "chunked_linear_cross_entropy", "linear_cross_entropy_reference"]
@@ -160,8 +161,10 @@ def _fused_forward(
     call["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=head_device)  # no logits computed at all
     captured: list[Any] = []
     handle = model.get_submodule(backbone).register_forward_hook(lambda m, i, o: captured.append(o))
-    try:
-        out = original(model, **call)
+    raw_weight = getattr(model.get_submodule(patch.lm_head), "weight", None)
+    try:  # a tied input embedding adds its gradient into the head's: one [V, H] buffer, not two
+        with tied_embedding_gradient(model, raw_weight) as mailbox:
+            out = original(model, **call)
     finally:
         handle.remove()
     if not captured:
@@ -173,6 +176,8 @@ def _fused_forward(
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     weight = head_weight(model.get_submodule(patch.lm_head), f"{type(model).__name__}.{patch.lm_head}")
+    if mailbox is not None and mailbox.lookups and weight is raw_weight:
+        weight = deposit(weight, mailbox)
     loss = impl(
         hidden.reshape(-1, hidden.shape[-1]), weight, shift_labels.reshape(-1).to(hidden.device),
         ignore_index=ignore_index, num_items_in_batch=extra.get("num_items_in_batch"),
