@@ -28,6 +28,7 @@ import argparse
 import copy
 import gc
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,12 +50,13 @@ TRAIN_CONFIG = {
 }
 
 
-def measure(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+def measure(fn: Callable[[], Any], mark: str | None = None) -> tuple[Any, float, float] | tuple[Any, float, float, float]:
     """``(result, peak rise MiB, seconds)``: ``fn`` timed on its own, then run again under the profiler.
 
     The peak is the maximum of the allocator's running total over the second run: the
     profiler records every CPU allocation and free with its size. Its own overhead (it
-    multiplies the time of small ops) is why the time comes from the first run.
+    multiplies the time of small ops) is why the time comes from the first run. With
+    ``mark`` (an op's name), a fourth value: the running total (MiB) when that op first starts.
     """
     gc.collect()
     start = time.perf_counter()
@@ -64,13 +66,16 @@ def measure(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    raw = prof.profiler.kineto_results.events()  # every allocation and free, with its size (the allocator's)
+    raw = list(prof.profiler.kineto_results.events())  # every allocation and free, with its size (the allocator's)
     events = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
     level = peak = 0
     for _, nbytes in events:
         level += nbytes
         peak = max(peak, level)
-    return result, peak / MIB, seconds
+    if mark is None:
+        return result, peak / MIB, seconds
+    start = min(e.start_ns() for e in raw if e.name() == mark)
+    return result, peak / MIB, seconds, sum(n for t, n in events if t < start) / MIB
 
 
 # -- training step ------------------------------------------------------------------------------
@@ -89,10 +94,22 @@ def _train_model(tied: bool, fused: bool) -> torch.nn.Module:
 
 
 def bench_train(seq: int = 1024) -> list[dict[str, Any]]:
+    """Unpatched and fused steps, tied and untied, with the step's memory floor.
+
+    The floor is the most that must exist at one time in any step:
+
+    * at the end, every parameter gradient (the ``gradient floor``);
+    * when the head's gradient is formed, the activations the backbone saved for backward
+      plus the head's ``[V, H]`` gradient (unfused: the first op of backward; fused: the
+      forward, where the kernel computes it). The activations are the allocator's total when
+      the fused kernel starts (the backbone's forward, with no logits).
+
+    With tied embeddings the second is the larger (the weight's one gradient is shared).
+    """
     ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
     rows = []
     for tied in (False, True):
-        for fused in (False, True):
+        for fused in (True, False):  # fused first: it measures the activations the floor counts
             model = _train_model(tied, fused)
 
             def step(model: torch.nn.Module = model) -> float:
@@ -104,10 +121,16 @@ def bench_train(seq: int = 1024) -> list[dict[str, Any]]:
                 return loss
 
             step()  # warm-up (allocator, lazy init)
-            loss, peak, seconds = measure(step)
-            floor = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MIB
+            if fused:
+                loss, peak, seconds, activations = measure(step, mark="_ChunkedLinearCrossEntropy")
+            else:
+                loss, peak, seconds = measure(step)
+            grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MIB
+            head = model.lm_head.weight
+            floor = max(grads, activations + head.numel() * head.element_size() / MIB)
             rows.append({"embeddings": "tied" if tied else "untied", "variant": "fused" if fused else "unpatched",
-                         "loss": loss, "peak_rise_MiB": peak, "grad_floor_MiB": floor, "seconds": seconds})
+                         "loss": loss, "peak_rise_MiB": peak, "grad_floor_MiB": grads, "activations_MiB": activations,
+                         "floor_MiB": floor, "seconds": seconds})
             print(json.dumps(rows[-1]), flush=True)
             del model
             gc.collect()
@@ -153,7 +176,13 @@ def _rel_err(got: torch.Tensor, truth: torch.Tensor) -> float:
     return float((got.float() - truth).abs().max() / truth.abs().max())
 
 
-def bench_kernels(sizes: tuple[int, ...] = (1024, 4096)) -> list[dict[str, Any]]:
+def bench_kernels(sizes: tuple[int, ...] = (1024, 4096), repeat: int = 3) -> list[dict[str, Any]]:
+    """Each (N, dtype): the methods' times interleaved round-robin (median of ``repeat``), then each one's peak.
+
+    Why interleaved: on a shared machine the speed drifts over minutes; running the methods
+    in turn, several times, puts that drift in every column instead of one. ``plain`` (not
+    the peer) is timed once.
+    """
     methods: dict[str, Callable[..., torch.Tensor]] = {"plain": _plain, "ours": _ours}
     cce = _cce()
     if cce is not None:
@@ -165,14 +194,23 @@ def bench_kernels(sizes: tuple[int, ...] = (1024, 4096)) -> list[dict[str, Any]]
             hd, wd = h.to(dtype), w.to(dtype)
             # The fp32 truth of these (rounded) inputs: all logits, every step in fp32.
             truth = _run(_plain, hd.float(), wd.float(), t)
-            for name, fn in methods.items():
-                if name == "cut-cross-entropy":
-                    _run(fn, hd[:64], wd, t[:64])  # torch.compile: compile outside the measurement
+            if "cut-cross-entropy" in methods:
+                _run(methods["cut-cross-entropy"], hd[:64], wd, t[:64])  # torch.compile: outside the measurement
+            times: dict[str, list[float]] = {name: [] for name in methods}
+            for i in range(repeat):
+                for name, fn in methods.items():
+                    if name == "plain" and i:
+                        continue
                     gc.collect()
-                (loss, gh, gw), peak, seconds = measure(lambda fn=fn: _run(fn, hd, wd, t))
+                    begin = time.perf_counter()
+                    _run(fn, hd, wd, t)
+                    times[name].append(time.perf_counter() - begin)
+            for name, fn in methods.items():
+                (loss, gh, gw), peak, _ = measure(lambda fn=fn: _run(fn, hd, wd, t))
                 row = {
                     "N": n, "dtype": str(dtype).removeprefix("torch."), "method": name, "peak_rise_MiB": peak,
-                    "seconds": seconds, "loss": float(loss), "loss_err": abs(float(loss) - float(truth[0])),
+                    "seconds": statistics.median(times[name]), "times": times[name], "loss": float(loss),
+                    "loss_err": abs(float(loss) - float(truth[0])),
                     "grad_h_rel_err": _rel_err(gh, truth[1]), "grad_w_rel_err": _rel_err(gw, truth[2]),
                 }
                 rows.append(row)
@@ -191,14 +229,12 @@ def bench_kernels(sizes: tuple[int, ...] = (1024, 4096)) -> list[dict[str, Any]]
 def markdown(results: dict[str, Any]) -> str:
     out = []
     if results.get("train"):
-        out += ["| embeddings | variant | peak rise MiB | gradient floor MiB | peak / floor | floor + tied embedding's "
-                "dense gradient MiB | peak / that | step s | loss |", "|---|---|---|---|---|---|---|---|---|"]
-        dense = VOCAB * HIDDEN * 4 / MIB  # nn.Embedding's backward makes a dense [V, H] fp32 gradient
+        out += ["| embeddings | variant | peak rise MiB | parameter gradients MiB | activations at the head MiB | "
+                "floor MiB | peak / floor | step s | loss |", "|---|---|---|---|---|---|---|---|---|"]
         for r in results["train"]:
-            floor2 = r["grad_floor_MiB"] + (dense if r["embeddings"] == "tied" else 0.0)
             out.append(f"| {r['embeddings']} | {r['variant']} | {r['peak_rise_MiB']:.0f} | {r['grad_floor_MiB']:.0f} | "
-                       f"{r['peak_rise_MiB'] / r['grad_floor_MiB']:.2f} | {floor2:.0f} | "
-                       f"{r['peak_rise_MiB'] / floor2:.2f} | {r['seconds']:.2f} | {r['loss']:.6f} |")
+                       f"{r['activations_MiB']:.0f} | {r['floor_MiB']:.0f} | {r['peak_rise_MiB'] / r['floor_MiB']:.2f} | "
+                       f"{r['seconds']:.2f} | {r['loss']:.6f} |")
         out.append("")
     if results.get("kernels"):
         by_key: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
@@ -233,8 +269,8 @@ def section_text(results: dict[str, Any]) -> str:
     return (
         "## Fused linear cross-entropy\n\n"
         "Written by `flock /tmp/heavy.lock python benchmarks/flce.py` (peak = the allocator's running total under "
-        "`torch.profiler(profile_memory=True)`, rise over the step; times from a separate run without the "
-        f"profiler; torch {results.get('torch')}, {results.get('threads')} threads; the machine is shared).\n\n"
+        "`torch.profiler(profile_memory=True)`, rise over the step; kernel times: the median of "
+        f"{results.get('repeat', 3)} interleaved runs without the profiler (training steps: one run); torch {results.get('torch')}, {results.get('threads')} threads; the machine is shared).\n\n"
         + markdown(results) + "\n"
     )
 
@@ -243,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", default=["train", "kernels"], choices=["train", "kernels"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1024, 4096])
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per method (interleaved; median)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/flce_cpu.json"))
     parser.add_argument("--md", type=Path, default=Path("benchmarks/results/cpu.md"),
                         help="Markdown file whose fused-linear-cross-entropy section is (re)written")
     parser.add_argument("--render", action="store_true", help="only render --out into --md, measure nothing")
     args = parser.parse_args(argv)
-    results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeat": args.repeat}
     if args.render:
         results = json.loads(args.out.read_text())
         write_section(args.md, section_text(results))
@@ -257,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if "train" in args.sections:
         results["train"] = bench_train()
     if "kernels" in args.sections:
-        results["kernels"] = bench_kernels(tuple(args.sizes))
+        results["kernels"] = bench_kernels(tuple(args.sizes), args.repeat)
     if args.out.exists():  # keep the other section of a previous run
         previous = json.loads(args.out.read_text())
         results = {**previous, **results}

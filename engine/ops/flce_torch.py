@@ -35,18 +35,35 @@ import torch.nn.functional as F
 
 __all__ = [
     "CHUNK_BUDGET_BYTES",
+    "CHUNK_MIN_BYTES",
     "auto_chunk_size",
     "chunked_linear_cross_entropy",
     "linear_cross_entropy_reference",
 ]
 
-#: One chunk's fp32 logits stay under this many bytes when ``chunk_size`` is not given.
-CHUNK_BUDGET_BYTES = 128 << 20
+#: The chunk size, when not given, is an eighth of the tokens, between these bounds on one
+#: chunk's fp32 logits (see :func:`auto_chunk_size`).
+CHUNK_MIN_BYTES = 32 << 20
+CHUNK_BUDGET_BYTES = 256 << 20
+CHUNKS = 8
 
 
 def auto_chunk_size(num_tokens: int, vocab: int) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits fit :data:`CHUNK_BUDGET_BYTES`."""
-    return max(1, min(num_tokens, CHUNK_BUDGET_BYTES // (4 * vocab)))
+    """Tokens per chunk: ``num_tokens / 8``, with one chunk's fp32 logits between 32 and 256 MiB.
+
+    Why an eighth: the head-gradient accumulator (``[V, H]``) is read and written once per
+    chunk, and a CPU matmul with few rows runs at a fraction of its speed (at hidden 1024 and
+    vocab 151,936: about 115 GFLOP/s up to 256 rows, 145 from 384, 163 at 1024 on 2 cores),
+    so a fixed number of chunks keeps that overhead a fixed share of the time, while the
+    chunk's logits stay an eighth of what the unfused head materializes. The bounds keep a
+    short batch from running a matmul of a few rows (32 MiB: 55 tokens at vocab 151,936) and a
+    long one from spending more than 256 MiB (441 tokens) on one chunk. Measured in
+    ``benchmarks/flce.py``: a training step of 1,024 tokens stays within 10% of its memory
+    floor (128-token chunks), and 4,096 tokens (441-token chunks) run near the peer's speed.
+    """
+    row_bytes = 4 * vocab
+    lo, hi = max(1, CHUNK_MIN_BYTES // row_bytes), max(1, CHUNK_BUDGET_BYTES // row_bytes)
+    return max(1, min(num_tokens, max(lo, min(hi, -(-num_tokens // CHUNKS)))))
 
 
 def _denominator(target: torch.Tensor, ignore_index: int, num_items_in_batch: Any) -> float:
@@ -87,19 +104,74 @@ def linear_cross_entropy_reference(
     return loss / num_items_in_batch
 
 
+def _onednn_linear() -> Any:
+    """oneDNN's linear (the op inductor's CPU fusions call), where this torch build has it; else None."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
+def _head_logits(h: torch.Tensor, weight: torch.Tensor, buffers: _ChunkBuffers) -> torch.Tensor:
+    """``F.linear(h, weight)``: the chunk's logits in the model's dtype.
+
+    Why oneDNN for fp32 on CPU: ``F.linear`` runs an fp32 ``h @ W.T`` with a 151,936-wide
+    output through MKL's sgemm at about 115 GFLOP/s on the 2-core AMD EPYC of
+    benchmarks/results/cpu.md, while oneDNN's linear runs it about 1.5x faster (128 rows: 222 vs
+    337 ms); the same sums in another order (max relative difference 1e-6 against MKL; bf16
+    already goes through oneDNN in ``F.linear``, bit for bit). Elsewhere: ``mm`` into the
+    reused buffer, which is ``F.linear`` bit for bit.
+    """
+    if (_ONEDNN_LINEAR is not None and h.device.type == "cpu" and h.dtype == torch.float32
+            and weight.dtype == torch.float32 and h.is_contiguous() and weight.is_contiguous()):
+        try:
+            return _ONEDNN_LINEAR(h, weight, None, "none", [], "")
+        except RuntimeError:  # an input oneDNN refuses: the plain path below
+            pass
+    return torch.mm(h, weight.t(), out=buffers.get("raw", h.shape[0], h, weight.shape[0], h.dtype))
+
+
+class _ChunkBuffers:
+    """The chunk's logits buffers, allocated once and reused by every chunk.
+
+    Why: a chunk's logits are tens of MiB; allocated per chunk, the allocator maps and unmaps
+    them each time and the kernel zero-fills fresh pages on first touch. Chunks run one after
+    another, so one buffer per role (the head's output, its fp32 copy) is enough.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, role: str, rows: int, like: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(role)
+        if buf is None or buf.shape[0] < rows or buf.dtype != dtype:
+            buf = self._buffers[role] = torch.empty(rows, cols, dtype=dtype, device=like.device)
+        return buf[:rows]
+
+
 def _chunk_loss_and_grad(
     h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore_index: int, denominator: float,
-    softcap: float | None, divisor: float | None, need_grad: bool,
+    softcap: float | None, divisor: float | None, need_grad: bool, buffers: _ChunkBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: its summed loss, and the gradient of ``loss / denominator`` w.r.t. its raw logits."""
     valid = t != ignore_index
     safe_t = torch.where(valid, t, 0).unsqueeze(1)
-    raw = F.linear(h, weight)  # as the model: head in its dtype
+    buffers = buffers or _ChunkBuffers()
+    vocab = weight.shape[0]
+    raw = _head_logits(h, weight, buffers)  # as the model: the head in its dtype
     if divisor is not None:
-        raw.div_(divisor)  # as the model divides its logits (a fresh buffer: in place)
+        raw.div_(divisor)  # as the model divides its logits (in place)
     capped = _capped(raw, softcap)
+    if capped is raw and raw.dtype != torch.float32:
+        z = buffers.get("fp32", h.shape[0], h, vocab, torch.float32).copy_(raw)  # the loss in fp32
+    else:
+        z = capped.float()  # fp32 already (the buffer itself), or soft-capped (a fresh tensor)
     del raw
-    z = capped.float()  # the loss in fp32 (a fresh buffer unless the model is fp32)
     if softcap is None:
         capped = None
     elif z is capped:
@@ -122,9 +194,11 @@ def _chunk_loss_and_grad(
         del capped
         grad.mul_(tanh.div_(softcap).square_().neg_().add_(1.0))
         del tanh
+    if grad.dtype != h.dtype:  # the model's logits.float() casts its gradient back: into the free head buffer
+        grad = buffers.get("raw", h.shape[0], h, vocab, h.dtype).copy_(grad)
     if divisor is not None:  # d(x / divisor)/dx, in the logits' dtype as autograd's DivBackward
-        grad = grad.to(h.dtype).div_(divisor)
-    return loss_sum, grad.to(h.dtype)  # the model's logits.float() casts its gradient back
+        grad = grad.div_(divisor)
+    return loss_sum, grad
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -133,7 +207,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-        ignore_index: int, denominator: float, chunk_size: int, softcap: float | None, divisor: float | None,
+        ignore_index: int, denominator: float, chunk_size: int | None, softcap: float | None, divisor: float | None,
     ) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -142,13 +216,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         keep = (target != ignore_index).nonzero().squeeze(1)
         selected = keep.numel() < target.numel()
         rows, labels = (hidden.index_select(0, keep), target.index_select(0, keep)) if selected else (hidden, target)
+        chunk_size = chunk_size or auto_chunk_size(target.numel(), weight.shape[0])
         grad_rows = (torch.empty_like(rows) if need_h else None)
         # In the weight's dtype, accumulated in place: no fp32 [V, H] buffer or temporary in bf16.
         grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        buffers = _ChunkBuffers()
         for start in range(0, rows.shape[0], chunk_size):
             h = rows[start : start + chunk_size]
             chunk_loss, grad = _chunk_loss_and_grad(
-                h, weight, labels[start : start + chunk_size], ignore_index, denominator, softcap, divisor, need_h or need_w
+                h, weight, labels[start : start + chunk_size], ignore_index, denominator, softcap, divisor,
+                need_h or need_w, buffers,
             )
             loss_sum += chunk_loss
             if grad is not None:
@@ -200,8 +277,7 @@ def chunked_linear_cross_entropy(
     logit_divisor: float | None = None,
 ) -> torch.Tensor:
     """The ``torch`` provider: chunked over tokens, gradients computed per chunk, accumulated in place."""
-    chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
     denominator = _denominator(target, ignore_index, num_items_in_batch)
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, target, ignore_index, denominator, chunk, softcap, logit_divisor
+        hidden, weight, target, ignore_index, denominator, chunk_size, softcap, logit_divisor
     )
