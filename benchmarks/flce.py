@@ -25,7 +25,6 @@ Writes the JSON and prints the Markdown tables (pasted into ``benchmarks/results
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import statistics
@@ -206,7 +205,7 @@ def bench_kernels(sizes: tuple[int, ...] = (1024, 4096), repeat: int = 3) -> lis
                     _run(fn, hd, wd, t)
                     times[name].append(time.perf_counter() - begin)
             for name, fn in methods.items():
-                (loss, gh, gw), peak, _ = measure(lambda fn=fn: _run(fn, hd, wd, t))
+                (loss, gh, gw), peak, _ = measure(lambda fn=fn, hd=hd, wd=wd, t=t: _run(fn, hd, wd, t))
                 row = {
                     "N": n, "dtype": str(dtype).removeprefix("torch."), "method": name, "peak_rise_MiB": peak,
                     "seconds": statistics.median(times[name]), "times": times[name], "loss": float(loss),
@@ -229,8 +228,8 @@ def bench_kernels(sizes: tuple[int, ...] = (1024, 4096), repeat: int = 3) -> lis
 def markdown(results: dict[str, Any]) -> str:
     out = []
     if results.get("train"):
-        out += ["| embeddings | variant | peak rise MiB | parameter gradients MiB | activations at the head MiB | "
-                "floor MiB | peak / floor | step s | loss |", "|---|---|---|---|---|---|---|---|---|"]
+        out += [("| embeddings | variant | peak rise MiB | parameter gradients MiB | activations at the head MiB | "
+                 "floor MiB | peak / floor | step s | loss |"), "|---|---|---|---|---|---|---|---|---|"]
         for r in results["train"]:
             out.append(f"| {r['embeddings']} | {r['variant']} | {r['peak_rise_MiB']:.0f} | {r['grad_floor_MiB']:.0f} | "
                        f"{r['activations_MiB']:.0f} | {r['floor_MiB']:.0f} | {r['peak_rise_MiB'] / r['floor_MiB']:.2f} | "

@@ -115,6 +115,7 @@ def _onednn_linear() -> Any:
 
 
 _ONEDNN_LINEAR = _onednn_linear()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _head_logits(h: torch.Tensor, weight: torch.Tensor, buffers: _ChunkBuffers) -> torch.Tensor:
@@ -127,11 +128,12 @@ def _head_logits(h: torch.Tensor, weight: torch.Tensor, buffers: _ChunkBuffers) 
     already goes through oneDNN in ``F.linear``, bit for bit). Elsewhere: ``mm`` into the
     reused buffer, which is ``F.linear`` bit for bit.
     """
-    if (_ONEDNN_LINEAR is not None and h.device.type == "cpu" and h.dtype == torch.float32
+    plain = type(h) in _PLAIN and type(weight) in _PLAIN  # not DTensor or another subclass
+    if (_ONEDNN_LINEAR is not None and plain and h.device.type == "cpu" and h.dtype == torch.float32
             and weight.dtype == torch.float32 and h.is_contiguous() and weight.is_contiguous()):
         try:
             return _ONEDNN_LINEAR(h, weight, None, "none", [], "")
-        except RuntimeError:  # an input oneDNN refuses: the plain path below
+        except (RuntimeError, NotImplementedError):  # an input oneDNN refuses: the plain path below
             pass
     return torch.mm(h, weight.t(), out=buffers.get("raw", h.shape[0], h, weight.shape[0], h.dtype))
 
