@@ -6,13 +6,14 @@ The layer is transformers' own ``Qwen3MoeSparseMoeBlock`` (router + ``Qwen3MoeEx
 * ``eager``: ``config._experts_implementation = "eager"`` (the per-expert loop);
 * ``hf default``: what ``from_pretrained`` picks, ``grouped_mm`` where torch has it;
 * ``ours <kernel>``: the experts module patched by the engine's ``moe_experts`` op with each
-  registered provider that runs here (``grouped_mm``; ``torch`` is the eager loop again).
+  registered provider that runs here (``grouped_mm``; ``compiled``, the grouped path through
+  inductor in bf16 and uncompiled in fp32; ``torch`` is the eager loop again).
 
 Each measurement is forward + backward (loss = sum(out * g) for a fixed random g, so every
 expert weight and the router get gradients), interleaved round-robin, median of ``--repeat``.
 The output and the gradients of every variant are checked against eager's (max abs error).
 
-    python benchmarks/moe.py --tokens 512 2048 --dtype bf16 fp32 --eager-dtypes bf16 \
+    python benchmarks/moe.py --tokens 512 2048 --dtype bf16 fp32 --eager-dtypes bf16 --kernels grouped_mm compiled \
         --json benchmarks/results/moe_cpu.json --section benchmarks/results/cpu.md
 """
 

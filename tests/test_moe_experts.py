@@ -240,3 +240,34 @@ def test_verify_checks_against_the_eager_loop_under_the_default_implementation()
     checks = [c for c in engine.verify(model).checks if c.op == "moe_experts"]
     assert checks and all(c.passed for c in checks)
     assert all(c.max_abs == 0 for c in checks if c.what == "declaration")
+
+
+def test_compiled_provider_bf16_judged_against_fp32_and_fp32_uncompiled(monkeypatch) -> None:
+    """compiled: bf16 through inductor (as close to fp32 as the eager loop, empty expert exactly zero);
+    fp32 is the uncompiled grouped path, bit for bit (grouped_mm's meta function is bf16-only)."""
+    from engine.kernels import compiled
+
+    if compiled.find_cxx() is None:
+        pytest.skip("no C++ compiler for inductor")
+    monkeypatch.setenv(compiled.ENV_SWITCH, "1")
+    experts = build_experts("qwen3_moe", "Qwen3MoeExperts")
+    index, weights = routing()
+    x = _input()
+    fp32_got = run(experts, patched(experts, {}, "compiled"), torch.float32, index, weights, x)
+    fp32_want = run(experts, patched(experts, {}, "grouped_mm"), torch.float32, index, weights, x)
+    assert torch.equal(fp32_got[0], fp32_want[0])
+    assert all(torch.equal(fp32_got[1][n], g) for n, g in fp32_want[1].items())
+    exact_out, exact = run(experts, truth(experts), torch.float32, index, weights, x)
+    low = copy.deepcopy(experts).to(torch.bfloat16)
+    want_out, want = run(low, truth(low), torch.bfloat16, index, weights, x)
+    got_out, got = run(low, patched(low, {}, "compiled"), torch.bfloat16, index, weights, x)
+    exact["output"], want["output"], got["output"] = exact_out, want_out, got_out
+    for name, fp32 in exact.items():
+        assert torch.isfinite(got[name]).all(), name
+        err_got = float((got[name].double() - fp32.double()).abs().max())
+        err_want = float((want[name].double() - fp32.double()).abs().max())
+        assert err_got <= 2 * err_want + 1e-3 * float(fp32.abs().max()), (name, err_got, err_want)
+    for name, _ in low.named_parameters():  # expert 4 received no token
+        assert torch.count_nonzero(got[name][4]) == 0, name
+    kernels = [k for key, k in compiled._CACHE.items() if key[0] == "moe_experts"]
+    assert kernels and not any(k.failed for k in kernels)  # it compiled: no fallback to the reference
