@@ -248,7 +248,7 @@ class FusedLinearCrossEntropyPatch(ModulePatch):
     lm_head: str = Field(default="lm_head", description="The output nn.Linear (no bias).")
     chunk_size: int | None = Field(
         default=None, ge=1,
-        description="Tokens per chunk; default: as many as keep one chunk's fp32 logits under 128 MiB.",
+        description="Tokens per chunk; default: an eighth of the tokens, with one chunk's fp32 logits between 32 and 256 MiB.",
     )
 
 
