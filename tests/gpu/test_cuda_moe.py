@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from test_moe_experts import TARGETS, build_experts, patched, routing, run, truth
+from test_moe_experts import TARGETS, build_experts, judge_bf16, patched, routing, run, truth
 
 pytestmark = pytest.mark.cuda
 needs_liger = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel missing")
@@ -36,12 +36,4 @@ def test_cuda_moe_experts(kernel, model_type, cls_name, decl) -> None:
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()), msg=name)
     for name, _ in experts.named_parameters():
         assert torch.count_nonzero(got[name][4]) == 0, name
-    low = experts.to(torch.bfloat16)
-    want_out, want = run(low, truth(low), torch.bfloat16, index, weights, x)
-    got_out, got = run(low, patched(low, decl, kernel), torch.bfloat16, index, weights, x)
-    exact["output"], want["output"], got["output"] = exact_out, want_out, got_out
-    for name, fp32 in exact.items():
-        assert torch.isfinite(got[name]).all(), name
-        err_got = float((got[name].double() - fp32.double()).abs().max())
-        err_want = float((want[name].double() - fp32.double()).abs().max())
-        assert err_got <= 2 * err_want + 1e-3 * float(fp32.abs().max()), (name, err_got, err_want)
+    judge_bf16(experts, decl, kernel, index, weights, x)
