@@ -95,3 +95,28 @@ def worker(rank: int, out: str) -> None:
         }, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def fused_head_worker(rank: int, out: str) -> None:
+    """Unpatched vs ``fused_cross_entropy=True`` under FSDP2, tied and untied embeddings: losses per step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import tiny_for
+
+    import engine
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        results = {}
+        for tied in (True, False):
+            losses = []
+            for fused in (False, True):
+                model = tiny_for("qwen3", tie_word_embeddings=tied)
+                assert (model.lm_head.weight is model.get_input_embeddings().weight) is tied
+                if fused:
+                    engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
+                losses.append(train(shard(model), batches_for(rank)))
+            results["tied" if tied else "untied"] = losses
+        torch.save(results, f"{out}/fused{rank}.pt")
+    finally:
+        dist.destroy_process_group()

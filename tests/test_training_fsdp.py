@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 from conftest import tiny_for
-from fsdp_worker import WORLD, batches_for, train, worker
+from fsdp_worker import WORLD, batches_for, fused_head_worker, train, worker
 
 TOL = 1e-5
 
@@ -32,3 +32,13 @@ def test_fsdp2_patched_trains_like_unpatched_and_checkpoint_loads_unpatched(tmp_
     for step, loss in enumerate(single):
         mean_patched = sum(r["patched"][step] for r in ranks) / WORLD
         assert abs(mean_patched - loss) <= TOL, (step, mean_patched, loss)
+
+
+def test_fsdp2_fused_head_trains_like_unpatched_tied_and_untied(tmp_path) -> None:
+    """The fused head under FSDP2 (the tied weight's two gradients share one buffer on the unsharded parameter)."""
+    mp.spawn(fused_head_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        results = torch.load(tmp_path / f"fused{r}.pt")
+        for embeddings, (unpatched, fused) in results.items():
+            assert len(fused) == 3
+            assert max(abs(a - b) for a, b in zip(unpatched, fused)) <= TOL, (embeddings, unpatched, fused)
