@@ -138,3 +138,12 @@ def test_gradient_checkpointing(reentrant: bool) -> None:
         model.train()
         model(**batch).loss.backward()
     _assert_same_grads(reference, patched)
+
+
+def test_int32_input_ids() -> None:
+    reference, patched = _pair()
+    batch = _batch(reference)
+    batch["input_ids"] = batch["input_ids"].to(torch.int32)
+    for model in (reference, patched):
+        model(**batch).loss.backward()
+    _assert_same_grads(reference, patched)
