@@ -26,8 +26,8 @@ The patched forward keeps transformers' contract:
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
