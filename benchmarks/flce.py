@@ -49,13 +49,14 @@ TRAIN_CONFIG = {
 }
 
 
-def measure(fn: Callable[[], Any], mark: str | None = None) -> tuple[Any, float, float] | tuple[Any, float, float, float]:
-    """``(result, peak rise MiB, seconds)``: ``fn`` timed on its own, then run again under the profiler.
+def measure(fn: Callable[[], Any], mark: str | None = None) -> tuple[Any, float, float, float | None]:
+    """``(result, peak rise MiB, seconds, MiB at mark)``: ``fn`` timed on its own, then run again under the profiler.
 
     The peak is the maximum of the allocator's running total over the second run: the
     profiler records every CPU allocation and free with its size. Its own overhead (it
     multiplies the time of small ops) is why the time comes from the first run. With
-    ``mark`` (an op's name), a fourth value: the running total (MiB) when that op first starts.
+    ``mark`` (an op's name), the fourth value is the running total (MiB) when that op first
+    starts; without, ``None``.
     """
     gc.collect()
     start = time.perf_counter()
@@ -72,7 +73,7 @@ def measure(fn: Callable[[], Any], mark: str | None = None) -> tuple[Any, float,
         level += nbytes
         peak = max(peak, level)
     if mark is None:
-        return result, peak / MIB, seconds
+        return result, peak / MIB, seconds, None
     start = min(e.start_ns() for e in raw if e.name() == mark)
     return result, peak / MIB, seconds, sum(n for t, n in events if t < start) / MIB
 
@@ -120,10 +121,9 @@ def bench_train(seq: int = 1024) -> list[dict[str, Any]]:
                 return loss
 
             step()  # warm-up (allocator, lazy init)
-            if fused:
-                loss, peak, seconds, activations = measure(step, mark="_ChunkedLinearCrossEntropy")
-            else:
-                loss, peak, seconds = measure(step)
+            loss, peak, seconds, at_head = measure(step, mark="_ChunkedLinearCrossEntropy" if fused else None)
+            if fused:  # the model's unpatched step (next) divides by the same floor
+                activations = at_head
             grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MIB
             head = model.lm_head.weight
             floor = max(grads, activations + head.numel() * head.element_size() / MIB)
@@ -205,7 +205,7 @@ def bench_kernels(sizes: tuple[int, ...] = (1024, 4096), repeat: int = 3) -> lis
                     _run(fn, hd, wd, t)
                     times[name].append(time.perf_counter() - begin)
             for name, fn in methods.items():
-                (loss, gh, gw), peak, _ = measure(lambda fn=fn, hd=hd, wd=wd, t=t: _run(fn, hd, wd, t))
+                (loss, gh, gw), peak, _, _ = measure(lambda fn=fn, hd=hd, wd=wd, t=t: _run(fn, hd, wd, t))
                 row = {
                     "N": n, "dtype": str(dtype).removeprefix("torch."), "method": name, "peak_rise_MiB": peak,
                     "seconds": statistics.median(times[name]), "times": times[name], "loss": float(loss),

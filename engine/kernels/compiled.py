@@ -165,22 +165,15 @@ def _build_moe_experts(patch: Any) -> Callable[..., Any]:
     1.26x at 2048, over the uncompiled grouped path; outputs and gradients as close to fp32
     as it, at bf16 rounding).
     """
-    from engine.kernels.moe import grouped_experts
+    from engine.kernels.moe import build_grouped_kernel
 
-    layout, transposed, activation = patch.layout, patch.transposed, patch.activation
-
-    def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: Any, down_bias: Any,
-                    alpha: Any, limit: Any) -> torch.Tensor:
-        return grouped_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
-                               alpha, limit, layout=layout, transposed=transposed, activation=activation)
-
-    compiled = compiled_kernel(("moe_experts", layout, transposed, activation), moe_experts)
+    grouped = build_grouped_kernel(patch)  # positional arguments: the op's kernel signature
+    compiled = compiled_kernel(("moe_experts", patch.layout, patch.transposed, patch.activation), grouped)
 
     def experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: Any = None, down_bias: Any = None,
                 alpha: Any = None, limit: Any = None) -> torch.Tensor:
-        run = compiled if hidden_states.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16 else moe_experts
+        run = compiled if hidden_states.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16 else grouped
         return run(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, alpha, limit)
 
     return experts

@@ -36,7 +36,7 @@ from engine.kernels.registry import KernelProvider, register
 from engine.ops.moe_experts import apply_gate
 from engine.schema import Device, ExpertsActivation, ExpertsLayout
 
-__all__ = ["grouped_experts", "torch_grouped_mm"]
+__all__ = ["build_grouped_kernel", "grouped_experts", "torch_grouped_mm"]
 
 #: ``gmm(x [S, in], weight [E, in, out], counts [E]) -> [S, out]``: one matmul per group of rows.
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -156,7 +156,8 @@ def _settings(patch: Any) -> dict[str, Any]:
     return {"layout": patch.layout, "transposed": patch.transposed, "activation": patch.activation}
 
 
-def _build_grouped_mm(patch: Any) -> Callable[..., torch.Tensor]:
+def build_grouped_kernel(patch: Any) -> Callable[..., torch.Tensor]:
+    """The ``grouped_mm`` provider's kernel for ``patch``'s declared layout (also what ``compiled`` compiles)."""
     settings = _settings(patch)
 
     def experts(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -224,7 +225,7 @@ def _liger_supports(patch: Any) -> str | None:
 
 
 register(KernelProvider(
-    name="grouped_mm", op="moe_experts", devices=frozenset({Device.cpu, Device.cuda}), build=_build_grouped_mm,
+    name="grouped_mm", op="moe_experts", devices=frozenset({Device.cpu, Device.cuda}), build=build_grouped_kernel,
     description="routes sorted by expert, torch grouped_mm (CPU; CUDA sm80+, else a per-expert loop)"))
 register(KernelProvider(
     name="npu", op="moe_experts", devices=frozenset({Device.npu}), build=_build_npu, requires=(TORCH_NPU,),
