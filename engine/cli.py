@@ -130,7 +130,18 @@ def _cmd_scaffold(args: argparse.Namespace) -> int:
     from engine.scaffolding import scaffold
 
     config = json.loads(args.config) if args.config else None
-    text = scaffold(args.model_type, config=config).to_yaml()
+    if (args.model_type is None) == (args.model is None):
+        raise InvalidArgument("scaffold takes a model type (patch-engine scaffold llama) or a checkpoint folder "
+                              "(patch-engine scaffold --model PATH), one of the two")
+    if args.model is None and (args.trust_remote_code or args.weights):
+        raise InvalidArgument("--trust-remote-code and --weights are for a checkpoint folder: add --model PATH")
+    if args.model is not None:
+        from pathlib import Path
+
+        text = scaffold(Path(args.model), config=config, trust_remote_code=args.trust_remote_code,
+                        weights=args.weights).to_yaml()
+    else:
+        text = scaffold(args.model_type, config=config).to_yaml()
     if args.out:
         from pathlib import Path
 
@@ -212,7 +223,13 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
 
     p = sub.add_parser("scaffold", help="measure every op's declarations on a tiny model of a type; print a patchset")
-    p.add_argument("model_type", help="a transformers model_type, e.g. llama")
+    p.add_argument("model_type", nargs="?", help="a transformers model_type, e.g. llama (or give --model)")
+    p.add_argument("--model", metavar="PATH",
+                   help="a local checkpoint folder (config.json; remote code too): a tiny model from its config")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the folder's own modeling code (its config.json auto_map); read it first")
+    p.add_argument("--weights", action="store_true",
+                   help="measure the checkpoint as saved (from_pretrained) instead of a tiny model of its config")
     p.add_argument("--out", help="write the patchset here (default: stdout)")
     p.add_argument("--config", help='JSON of tiny-config keys to override, e.g. \'{"head_dim": 16}\'')
     p.set_defaults(func=_cmd_scaffold)

@@ -197,12 +197,46 @@ def _check_model_type(model: nn.Module, patchset: Patchset) -> str:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in patchset.model_types:
-        raise ModelTypeMismatch(
-            f"patchset {patchset.name!r} is for model_type {', '.join(patchset.model_types)}; "
-            f"this model ({type(model).__name__}) is {model_type!r}. "
+        remote = type(model).__module__.startswith(REMOTE_CODE)
+        fix = (
+            f"This model runs its own code ({type(model).__module__}), not transformers': scaffold a patchset for "
+            "it from its checkpoint folder (patch-engine scaffold --model FOLDER --trust-remote-code), which "
+            f"carries model_types [{model_type}]."
+            if remote else
             "Use the patchset of this model's family, or add the type to model_types once verified."
         )
+        raise ModelTypeMismatch(
+            f"patchset {patchset.name!r} is for model_type {', '.join(patchset.model_types)}; "
+            f"this model ({type(model).__name__}) is {model_type!r}. {fix}"
+        )
     return str(model_type)
+
+
+#: The package transformers imports ``trust_remote_code`` modeling files under.
+REMOTE_CODE = "transformers_modules."
+
+
+def _check_origin(patchset: Patchset, index: int, what: str, module_name: str) -> None:
+    """Refuse a bundled patch on a remote-code class or function of the same name.
+
+    Why: a bundled patchset was measured on transformers' own classes; a checkpoint's own code
+    (``trust_remote_code``) may reuse a name (``Qwen2RMSNorm``) and compute something else, and
+    a declaration patched onto it would change the model's numbers without a word.
+    """
+    from pathlib import Path
+
+    from engine.loader.names import bundled_dir
+
+    if not module_name.startswith(REMOTE_CODE) or not patchset.files:
+        return
+    if Path(patchset.files[0]).resolve().parent != bundled_dir().resolve():
+        return
+    raise ModelTypeMismatch(
+        f"patches[{index}] of the bundled patchset {patchset.name!r} was measured on transformers' own {what}; "
+        f"this model's {what} comes from its own code ({module_name}, loaded with trust_remote_code) and may "
+        "compute something else under the same name. Scaffold its own patchset (patch-engine scaffold --model "
+        "FOLDER --trust-remote-code), or load the model without trust_remote_code to use transformers' classes"
+    )
 
 
 def _check_versions(patchset: Patchset) -> None:
@@ -306,6 +340,7 @@ def _plan_module_patch(
             "(set `optional: true` if the class is legitimately absent in some configs)"
         )
     for cls in dict.fromkeys(type(module) for _, module in matches):
+        _check_origin(patchset, index, f"class {cls.__name__}", cls.__module__)
         _check_drift(patch, f"{cls.__name__}.forward", cls.forward)
     for _, module in matches:
         op.check_target(module, patch)
@@ -355,6 +390,7 @@ def _plan_function_patch(
         )
     provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch)
     for name, (namespace, callers) in sites.items():
+        _check_origin(patchset, index, f"function {patch.function}", name)
         original = _original_function(namespace[patch.function])
         _check_drift(patch, f"{name}.{patch.function}", original)
         op.check_function(original, patch)

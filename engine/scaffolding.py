@@ -9,27 +9,32 @@ tell two cast orders apart). A declaration is kept only when it is bit-exact on 
 instance in both dtypes and no other declaration is; a tie is reported, never resolved by
 guessing. What no op computes is listed, with the closest miss.
 
+Every class counts, wherever its code lives: transformers' own, a ``trust_remote_code``
+checkpoint's (``transformers_modules.*``), a user's module or ``torch.nn``. Each one that
+looks like a norm, MLP, rope or LM head by its name, or that some op could replace, gets a
+measured declaration or a ``# not patched`` line saying why; nothing is dropped silently.
+
 ``engine.scaffold(model_or_type)`` returns a :class:`Scaffold`; ``str(scaffold)`` (or
-:meth:`Scaffold.to_yaml`) is the patchset text; ``patch-engine scaffold MODEL_TYPE``
-prints it (``--out PATH`` writes it).
+:meth:`Scaffold.to_yaml`) is the patchset text; ``patch-engine scaffold MODEL_TYPE`` (or
+``--model FOLDER``, see :mod:`engine.scaffold_source`) prints it (``--out PATH`` writes it).
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
+import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine import routing
 from engine.errors import PatchError
 from engine.hub_functions import torch_body, torch_path
 from engine.ops.base import FunctionOp, ModuleOp, all_ops
+from engine.scaffold_capture import capture
 from engine.verification.compare import cast_floats, compare
 
 __all__ = ["Finding", "Measurement", "Scaffold", "scaffold"]
@@ -37,9 +42,19 @@ __all__ = ["Finding", "Measurement", "Scaffold", "scaffold"]
 #: The dtypes every declaration is measured in: fp32, and bf16 where cast orders differ.
 DTYPES = (torch.float32, torch.bfloat16)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-#: Modules and functions worth a "not patched" line when no op matches them (by name).
-MODULE_KINDS = re.compile(r"(Norm|MLP|Mlp|FeedForward|FFN|Experts?|MoeBlock|MoE|Moe)$|ForCausalLM$")
+#: Modules worth a "not patched" line when no op matches them, by the kind their name says.
+MODULE_KINDS: dict[str, re.Pattern[str]] = {
+    "norm": re.compile(r"Norm"),
+    "mlp": re.compile(r"(MLP|Mlp|FeedForward|FFN|GLU|Glu|Experts?|MoeBlock|MoE|Moe)$"),
+    "rope": re.compile(r"Rotary|Rope|RoPE"),
+    "head": re.compile(r"ForCausalLM$|LMHead|LmHead"),
+}
 FUNCTION_KINDS = re.compile(r"rotary|rope|delta|kda|linear_attn|linear_attention|scan")
+
+
+def module_kind(name: str) -> str | None:
+    """``"norm"``, ``"mlp"``, ``"rope"`` or ``"head"`` when a class name says so, else ``None``."""
+    return next((kind for kind, pattern in MODULE_KINDS.items() if pattern.search(name)), None)
 
 
 @dataclass
@@ -62,6 +77,7 @@ class Finding:
     kind: str  # "module" or "function"
     name: str  # class name, or function name
     instances: int  # modules of the class (or call sites of the function) measured
+    origin: str = ""  # the Python module the class (or function) is defined in
     measurements: list[Measurement] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)  # (op, why) for ops whose checks said no
     opt_in: list[str] = field(default_factory=list)  # opt-in ops that fit (reported, never written)
@@ -84,8 +100,14 @@ class Scaffold:
 
     model_type: str
     model_class: str
-    tiny_config: dict[str, Any]
+    #: The ``tiny_model.config`` that rebuilds the measured model from its ``model_type``;
+    #: ``None`` when transformers cannot build it from the type (its code is not transformers').
+    tiny_config: dict[str, Any] | None
     findings: list[Finding]
+    #: The command (or call) that produced it, for the file's header.
+    source: str = ""
+    #: Where the classes and functions not from transformers came from (``{name: module}``).
+    foreign: dict[str, str] = field(default_factory=dict)
 
     @property
     def patches(self) -> list[Any]:
@@ -101,25 +123,46 @@ class Scaffold:
 
 
 def scaffold(
-    model_or_type: nn.Module | str,
+    model_or_type: nn.Module | str | os.PathLike[str],
     *,
     config: dict[str, Any] | None = None,
     seed: int = 0,
+    trust_remote_code: bool = False,
+    weights: bool = False,
 ) -> Scaffold:
     """Measure every declaration of every op on a tiny model of a family (see the module docstring).
 
     Args:
         model_or_type: a ``model_type`` (a tiny perturbed model is built from its config
-            class's defaults, shrunk by :func:`engine.tiny_config.derive_tiny_config`), or
-            a model, measured as it is (on a deep copy; it should be small and its weights
-            away from their init values).
+            class's defaults, shrunk by :func:`engine.tiny_config.derive_tiny_config`); a
+            local checkpoint folder (a ``Path``, or a string naming an existing folder that
+            is no model type; see :func:`engine.scaffold_source.model_from_folder`); or a
+            model, measured as it is (on a deep copy; it should be small and its weights
+            away from their init values), whatever module its classes come from.
         config: keys of the tiny config that override the derived ones (also written into
             the patchset's ``tiny_model`` block).
+        trust_remote_code: for a folder whose ``config.json`` maps its own code (``auto_map``):
+            run that code (read it first). Without it such a folder is refused.
+        weights: for a folder: measure the checkpoint as saved (``from_pretrained``) instead
+            of a tiny perturbed model built from its config (small checkpoints only).
+
+    Example:
+        >>> print(engine.scaffold(Path("my-checkpoint"), trust_remote_code=True))  # doctest: +SKIP
     """
+    from engine.scaffold_source import is_folder, model_from_folder, transformers_code
     from engine.tiny import build_tiny_model
     from engine.tiny_config import derive_tiny_config
 
-    if isinstance(model_or_type, str):
+    tiny: dict[str, Any] | None
+    if is_folder(model_or_type):
+        folder = os.fspath(model_or_type)  # type: ignore[arg-type]
+        model, tiny = model_from_folder(
+            folder, trust_remote_code=trust_remote_code, weights=weights, config=config, seed=seed
+        )
+        model_type = str(model.config.model_type)
+        flags = (" --trust-remote-code" if trust_remote_code else "") + (" --weights" if weights else "")
+        source = f"patch-engine scaffold --model {folder}{flags}"
+    elif isinstance(model_or_type, str):
         model_type = model_or_type
         tiny = {**derive_tiny_config(model_type), **(config or {})}
         _require_causal_lm(model_type)
@@ -130,19 +173,43 @@ def scaffold(
                 f"could not build a tiny {model_type} model from the derived config {tiny}: {exc}. "
                 "Pass the missing keys: engine.scaffold(model_type, config={...})"
             ) from exc
+        source = f"patch-engine scaffold {model_type}"
     else:
         from engine.wrappers import unwrap
 
         model = copy.deepcopy(unwrap(model_or_type)).float()  # a PeftModel: the transformers model inside
         model_type = str(model.config.model_type)
-        tiny = {**derive_tiny_config(model_type), **(config or {})}
+        # the tiny_model block rebuilds the model only where transformers has all its code
+        tiny = {**derive_tiny_config(model_type), **(config or {})} if transformers_code(model) else None
+        source = f"engine.scaffold(<a {type(model).__name__}>)"
     # Training mode, as fine-tuning runs it and as verification checks it: a forward that
     # applies dropout (seed_oss's MLP) is then not reproducible, so nothing is declared for it.
     model.train()
-    modules, functions = _capture(model)
+    modules, functions = capture(model)
     with torch_path(model):  # a module's own forward may call functions bound to a package (fla on a CPU)
         findings = [*_module_findings(model, _Originals(modules)), *_function_findings(functions)]
-    return Scaffold(model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings)
+    _explain_rope_modules(findings)
+    foreign = {f.name: f.origin for f in findings if f.origin and not f.origin.startswith(("transformers.", "torch."))}
+    return Scaffold(
+        model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings,
+        source=source, foreign=foreign,
+    )
+
+
+def _explain_rope_modules(findings: list[Finding]) -> None:
+    """Say, on an unpatched rotary-embedding module, where its tables are applied (or that nothing can be)."""
+    applied = [f.name for f in findings if f.kind == "function" and FUNCTION_KINDS.search(f.name)]
+    for f in findings:
+        if f.kind != "module" or module_kind(f.name) != "rope" or f.measurements or f.note:
+            continue
+        if applied:
+            names = list(dict.fromkeys(applied))
+            f.note = (f"no op replaces the module that computes the rotary tables; the rope op patches the "
+                      f"function that applies them ({', '.join(names)}, see {'its line' if len(names) == 1 else 'their lines'})")
+        else:
+            f.note = ("no op replaces the module that computes the rotary tables, and no module-level function "
+                      "the forwards call applies them (rope written inline in a forward cannot be patched: "
+                      "move it into a function such as apply_rotary_pos_emb)")
 
 
 def _require_causal_lm(model_type: str) -> None:
@@ -155,72 +222,6 @@ def _require_causal_lm(model_type: str) -> None:
             "map it: a text config of a composite model, an encoder, ...); build a small model of it yourself "
             "and pass it: engine.scaffold(model)"
         )
-
-
-# ---------------------------------------------------------------------------------------- capture
-
-
-def _model_functions(model: nn.Module) -> dict[tuple[str, str], Callable[..., Any]]:
-    """Module-level functions of transformers' modeling modules that the model's forwards name."""
-    found: dict[tuple[str, str], Callable[..., Any]] = {}
-    for cls in {type(m) for m in model.modules()}:
-        forward = getattr(cls, "forward", None)
-        for _ in range(16):
-            if forward is None:
-                break
-            code = getattr(forward, "__code__", None)
-            namespace = getattr(forward, "__globals__", {})
-            for name in code.co_names if code is not None else ():
-                value = namespace.get(name)
-                body = torch_body(value) if callable(value) else None
-                if inspect.isfunction(body) and str(getattr(body, "__module__", "")).startswith("transformers.models."):
-                    found[(namespace["__name__"], name)] = value
-            forward = getattr(forward, "__wrapped__", None)
-    return found
-
-
-def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
-    """One forward (and a decode step): the first inputs of every module and of every named function.
-
-    Returns ``({module path: (args, kwargs)}, {(namespace, name): (function, (args, kwargs) or None)})``.
-    """
-    modules: dict[str, Any] = {}
-    functions: dict[tuple[str, str], Any] = {}
-    handles = []
-    for path, module in model.named_modules():
-        def hook(mod: nn.Module, args: Any, kwargs: Any, _path: str = path) -> None:
-            modules.setdefault(_path, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    routers = []
-    named = _model_functions(model)
-    for key in named:
-        router = routing.acquire(*key)
-
-        def observe(args: Any, kwargs: Any, _key: tuple[str, str] = key) -> None:
-            functions.setdefault(_key, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
-
-        router.observers.append(observe)
-        routers.append((router, observe, key))
-    from engine.verification.probes import probe_batch
-
-    ids = probe_batch(model, seq=16)["input_ids"]
-    try:
-        with torch.no_grad(), torch_path(model):
-            model(input_ids=ids)
-            try:  # prefill then one cached token: reaches functions only decode calls
-                out = model(input_ids=ids[:, :-1], use_cache=True)
-                if getattr(out, "past_key_values", None) is not None:
-                    model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
-            except (TypeError, ValueError, NotImplementedError, RuntimeError):
-                pass
-    finally:
-        for h in handles:
-            h.remove()
-        for router, observe, key in routers:
-            router.observers.remove(observe)
-            routing.release(*key)
-    return modules, {key: (value, functions.get(key)) for key, value in named.items()}
 
 
 # ---------------------------------------------------------------------------------------- modules
@@ -267,7 +268,7 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
     module_ops = [op for op in all_ops().values() if isinstance(op, ModuleOp)]
     for cls, members in by_class.items():
         called = [(p, m) for p, m in members if p in originals]
-        finding = Finding("module", cls.__name__, len(called))
+        finding = Finding("module", cls.__name__, len(called), origin=cls.__module__)
         for op in module_ops:
             candidates = list(op.candidates(members[0][1]))
             if not candidates:
@@ -284,10 +285,25 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
                 finding.refused.append((op.name, min((m.problem or "output shape or dtype differs" for m in mine), key=len)))
         if finding.measurements and not finding.exact and called and originals.is_random(*called[0]):
             finding.note = "its own forward is random in training mode (dropout?), so no declaration can match"
-        # refusals alone are worth a line only for what looks like a norm, MLP, experts or LM head
-        if finding.measurements or finding.opt_in or MODULE_KINDS.search(cls.__name__):
-            if cls.__module__.startswith("transformers."):
-                yield finding
+        kind = module_kind(cls.__name__)
+        if kind == "norm" and not finding.measurements and not finding.refused:
+            finding.note = _no_norm_candidates(members[0][1])
+        # whatever its module (transformers, remote code, a user's, torch.nn): refusals alone are
+        # worth a line only for what looks like a norm, MLP, experts, rope or LM head
+        if finding.measurements or finding.opt_in or kind is not None:
+            yield finding
+
+
+def _no_norm_candidates(module: nn.Module) -> str:
+    """Why no norm declaration could even be tried on a norm-named module."""
+    from engine.ops.base import norm_parameter_names
+
+    weights, eps = norm_parameter_names(module)
+    return (
+        "no norm declaration can be tried: rms_norm and layer_norm need a 1-d weight parameter and a float eps "
+        f"attribute (found weights {weights or 'none'}, eps attributes {eps or 'none'}; an eps written as a "
+        "literal inside forward cannot be declared: store it on the module)"
+    )
 
 
 def _check_opt_in(op: ModuleOp, candidates: list[Any], members: list[tuple[str, nn.Module]], finding: Finding) -> None:
@@ -344,11 +360,13 @@ def _error(got: Any, expected: Any) -> float:
 def _function_findings(captured: dict[tuple[str, str], Any]) -> Iterator[Finding]:
     function_ops = [op for op in all_ops().values() if isinstance(op, FunctionOp)]
     names: dict[str, list[tuple[Any, Any]]] = {}
-    for (_, name), (function, inputs) in captured.items():
+    origins: dict[str, str] = {}
+    for (namespace, name), (function, inputs) in captured.items():
         names.setdefault(name, []).append((function, inputs))
+        origins.setdefault(name, str(getattr(torch_body(function), "__module__", "") or namespace))
     for name, sites in names.items():
         called = [(f, inputs) for f, inputs in sites if inputs is not None]
-        finding = Finding("function", name, len(called))
+        finding = Finding("function", name, len(called), origin=origins[name])
         for op in function_ops:
             for patch in op.candidates(name, torch_body(sites[0][0])):
                 finding.measurements.append(_measure_function(op, patch, called))

@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.tiny import BASE_KWARGS
 
-__all__ = ["SIZE_RULES", "derive_tiny_config"]
+__all__ = ["SIZE_RULES", "derive_tiny_config", "tiny_overrides"]
 
 _Rule = Callable[[str, Any], Any]
 
@@ -79,7 +79,15 @@ def derive_tiny_config(model_type: str) -> dict[str, Any]:
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise ValueError(f"unknown model type {model_type!r} (not a transformers config model_type){hint}")
-    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    return tiny_overrides(CONFIG_MAPPING[model_type]().to_dict())
+
+
+def tiny_overrides(defaults: dict[str, Any]) -> dict[str, Any]:
+    """The size overrides :func:`derive_tiny_config` applies, for any config's dict.
+
+    Why separate: a checkpoint folder's config (its code maybe not in transformers, see
+    :mod:`engine.scaffold_source`) is shrunk by the same rules, from its own values.
+    """
     overrides: dict[str, Any] = {}
     layers = BASE_KWARGS["num_hidden_layers"]
     layer_types = defaults.get("layer_types")
