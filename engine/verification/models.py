@@ -20,6 +20,7 @@ every run (one seed, the global RNG state restored after).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,7 +219,7 @@ def _grads_check(cls: str, dtype: str, grads: _Grads, params: dict[str, nn.Param
     parameter the original does not) is a failure of its own kind, named in the note.
     """
     if grads.missing:
-        name = sorted(grads.missing)[0]
+        name = min(grads.missing)
         total = len(grads.diff.keys() | grads.missing.keys())
         note = (f"{len(grads.missing)} of {total} parameter gradients differ; worst: {name} "
                 f"({grads.missing[name]})")
@@ -230,8 +231,8 @@ def _grads_check(cls: str, dtype: str, grads: _Grads, params: dict[str, nn.Param
         if ma == 0.0 and ok:
             rows.append((0.0, name, ma, mr, 0.0))
             continue
-        noise, scale = grads.noise.get(name, (float("nan"), 0.0))
-        limit = allowed(noise, scale, params[name].dtype) if noise == noise else 0.0
+        noise, scale = grads.noise.get(name, (math.nan, 0.0))  # nan: the truth gave this parameter no gradient
+        limit = 0.0 if math.isnan(noise) else allowed(noise, scale, params[name].dtype)
         rows.append((ma / limit if limit else float("inf"), name, ma, mr, noise))
     failing = [r for r in rows if r[0] > 1.0]
     worst = max(rows, key=lambda r: (r[0], r[2]))

@@ -77,7 +77,7 @@ def verify_module(
             with torch.no_grad():
                 got = clone.forward(*a, **k)
             ma, mr, _ = compare(got, expected)
-            ok, note = _judge(got, expected, lambda: op.ground_truth(clone)(clone, *a, **k), clone)
+            ok, note = _judge(got, expected, op.ground_truth(clone), (clone, *a), k, clone)
             kernel_checks.append(Check(d.path, d.cls, d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
         del clone
     declared_exact = all(is_exact(r) for _, r in decl_results)
@@ -119,17 +119,19 @@ def verify_function(d: Any, args: Any, kwargs: Any, low: torch.dtype) -> list[Ch
             # the kernel on copies: some (liger's rope) rotate contiguous inputs in place
             got = impl(*cast_floats(clone_tensors(a), dtype), **cast_floats(clone_tensors(k), dtype))
         ma, mr, _ = compare(got, want)
-        ok, note = _judge(got, want, lambda: body(*clone_tensors(a), **clone_tensors(k)), None)
+        ok, note = _judge(got, want, body, clone_tensors(a), clone_tensors(k), None)
         if not ok:
             note = f"kernel {d.kernel} does not compute what {d.site.function} computes: {note}"
         checks.append(Check(d.path, "function", d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
     return checks
 
 
-def _judge(got: Any, expected: Any, original: Callable[[], Any], module: nn.Module | None) -> tuple[bool, str]:
-    """Bit-equal, or within the original's own rounding error of it (the original rerun in fp64 tells)."""
+def _judge(
+    got: Any, expected: Any, original: Callable[..., Any], args: Any, kwargs: Any, module: nn.Module | None
+) -> tuple[bool, str]:
+    """Bit-equal, or within the original's own rounding error of it (``original(*args, **kwargs)`` rerun in fp64 tells)."""
     if is_exact(compare(got, expected)):
         return True, ""
     with torch.no_grad(), fp64_truth(module):
-        truth = original()
+        truth = original(*args, **kwargs)
     return judge(got, expected, truth)

@@ -174,7 +174,7 @@ class Fp64(TorchFunctionMode):
         return saved
 
 
-class fp64_truth:  # noqa: N801 - used like a function: ``with fp64_truth(model) as mode:``
+class fp64_truth:
     """Inside the block, ``model`` (and any torch code) computes in fp64; ``as`` gives the mode (see :class:`Fp64`).
 
     The backward may run after the block: what the forward saved refers to the fp32
@@ -197,7 +197,7 @@ class fp64_truth:  # noqa: N801 - used like a function: ``with fp64_truth(model)
             self._stack = stack.pop_all()
         return self.mode
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.__exit__(*exc)
