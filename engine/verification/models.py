@@ -132,7 +132,7 @@ def seeded(model: nn.Module) -> Iterator[None]:
 
 def _run(model: nn.Module, batch: dict[str, torch.Tensor], forward_in: Any = None) -> Any:
     """Forward (inside ``forward_in``, e.g. the fp64 mode) and backward of one batch."""
-    with seeded(model):
+    with seeded(model), torch.enable_grad():  # also when the caller is under torch.no_grad()
         with forward_in if forward_in is not None else contextlib.nullcontext():
             out = model(**batch)
             if getattr(out, "loss", None) is None and "last_hidden_state" in out:
