@@ -249,3 +249,14 @@ def test_a_tokenizer_batch_with_padding_and_ignored_labels(qwen3) -> None:
                      verify={"batch": {**enc, "labels": torch.full_like(labels, -100)}})
     assert not engine.is_patched(qwen3)  # the bad batch left the model as it was
     assert_same(before, snapshot(qwen3))
+
+
+def test_the_truth_runs_where_torch_has_no_fp64_kernel() -> None:
+    """transformers' MoE experts call ``grouped_mm``, which has no fp64 kernel: the truth computes it group by group.
+
+    The fused head is not bit-equal, so the truth runs through every expert of the model."""
+    model = tiny_for("qwen3_moe").train()
+    report = engine.verify(model, "qwen3_moe", device="cpu", fused_cross_entropy=True)
+    loss = next(c for c in report.checks if c.what == "loss")
+    assert loss.max_abs > 0 and "the original's own error vs fp64" in loss.note
+    assert not any("still rounded" in c.note for c in report.checks)

@@ -103,6 +103,9 @@ def _compare(
         _value_check(cls, "loss", dtype, pat_loss, ref_loss, truth.get("loss")),
         _grads_check(cls, dtype, grads, params),
     ]
+    if truth.get("rounded"):
+        for check in checks:
+            check.note += f" (the fp64 truth still rounded in {', '.join(truth['rounded'])})"
     return checks
 
 
@@ -197,9 +200,9 @@ def _truth_run(original: nn.Module, batch: dict[str, torch.Tensor], head: str, g
     out = _run(original, batch, forward_in=truth)
     sink.flush()
     mode = truth.mode
-    if mode.rounded:  # pragma: no cover - a torch call the mode does not widen; named, never hidden
-        raise RuntimeError(f"the fp64 truth rounded to a lower precision in {sorted(mode.rounded)}")
-    return {head: out[head].detach(), "loss": out["loss"].detach()}
+    # A call the mode could not widen leaves the truth rounded there, like the original: the
+    # original's error looks smaller, so the judge is stricter, never laxer. Named, not hidden.
+    return {head: out[head].detach(), "loss": out["loss"].detach(), "rounded": sorted(mode.rounded)}
 
 
 def _value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.Tensor, truth: Any) -> Check:

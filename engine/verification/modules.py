@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine import routing
-from engine.hub_functions import torch_body
+from engine.hub_functions import torch_body, torch_path
 from engine.ops.base import ModuleOp, get_op
 from engine.patcher import original_forwards
 from engine.verification.compare import DTYPE_NAMES, cast_floats, clone_tensors, compare, is_exact, judge
@@ -65,7 +65,7 @@ def verify_module(
     for dtype in ((own,) if within is not None else (torch.float32, low)):
         clone = module if within is not None else copy.deepcopy(module).to(dtype)
         a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
-        with torch.no_grad(), original_forwards(within) if within is not None else contextlib.nullcontext():
+        with torch.no_grad(), _original(within):
             expected = op.ground_truth(clone)(clone, *a, **k)
             declared = op.bind(clone, d.patch, op.reference(d.patch))(clone, *a, **k)
             decl_results.append((dtype, compare(declared, expected)))
@@ -96,6 +96,16 @@ def verify_module(
             note = f"declared {declared_text} does not reproduce {d.cls}.forward{kind}{tried}; is this the right op?"
         checks.append(Check(d.path, d.cls, d.op, "declaration", DTYPE_NAMES[dtype], ma, mr, passed, note, d.kernel))
     return checks + kernel_checks
+
+
+@contextlib.contextmanager
+def _original(model: nn.Module | None) -> Iterator[None]:
+    """``model`` with every forward original and its package-bound functions on torch (see ``models._original``)."""
+    if model is None:
+        yield
+        return
+    with original_forwards(model), torch_path(model):
+        yield
 
 
 def _dtype_of(value: Any) -> str:
