@@ -48,14 +48,15 @@ def compare_models(
     caller that has one; by default the original runs on ``patched``'s own parameters.
     """
     params = dict(patched.named_parameters())
-    user_grads = {name: p.grad for name, p in params.items()}
-    for p in params.values():
+    every = {id(p): p for m in (patched, reference) if m is not None for p in m.parameters()}
+    user_grads = {key: p.grad for key, p in every.items()}  # the caller's, set aside and put back
+    for p in every.values():
         p.grad = None
     try:
         return _compare(patched, batch, reference, params)
     finally:
-        for name, p in params.items():
-            p.grad = user_grads[name]
+        for key, p in every.items():
+            p.grad = user_grads[key]
 
 
 @dataclass
