@@ -65,8 +65,10 @@ LAYERS: tuple[Layer, ...] = (
           "patched vs original numbers: probes, comparisons, report"),
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
     Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench", "engine.cli",
-                    "engine.__main__", "engine.scaffolding", "engine.scaffolding_yaml", "engine.coverage", "engine.results_sections"), False,
-          "Trainer callback, demo, benchmarks (and their shared results file), scaffold, coverage, the command line"),
+                    "engine.__main__", "engine.scaffolding", "engine.scaffolding_yaml", "engine.coverage", "engine.results_sections",
+                    "engine.checkpoint"), False,
+          "Trainer callback, demo, benchmarks (and their shared results file), scaffold, coverage, the command line, "
+          "verification on a user's checkpoint"),
 )
 
 
