@@ -15,7 +15,7 @@ what ``patch-engine verify PATCHSET --model PATH`` (or ``--gguf FILE``) runs:
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -81,8 +81,12 @@ def load_checkpoint(
         path = Path(gguf)
         if not path.is_file():
             raise InvalidArgument(f"--gguf {gguf}: no such file")
-        if importlib.util.find_spec("gguf") is None:
-            raise MissingDependency(f"loading {path.name} needs the gguf package, which is not installed; {GGUF_INSTALL}")
+        try:
+            importlib.import_module("gguf")
+        except ImportError as exc:
+            raise MissingDependency(
+                f"loading {path.name} needs the gguf package, which is not installed; {GGUF_INSTALL}"
+            ) from exc
         folder, kwargs["gguf_file"] = path.parent, path.name
     else:
         folder = Path(model)  # type: ignore[arg-type]
