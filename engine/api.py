@@ -7,6 +7,7 @@ verification compares numbers. Only this module combines patching with verificat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ def apply(
     *,
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
-    verify: bool = False,
+    verify: bool | str | Mapping[str, Any] = False,
     fused_cross_entropy: Any = None,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
@@ -40,7 +41,9 @@ def apply(
     passes, and any failure while patching restores it. Applying the same patchset twice
     patches once. With ``verify=True`` every patched module is then compared numerically
     with its original forward (see :func:`engine.verify`), and a mismatch reverts the model
-    and raises :class:`VerificationFailed` (``exc.report`` has every check).
+    and raises :class:`VerificationFailed` (``exc.report`` has every check). ``verify="sample"``
+    checks the first, middle and last module of each patched class only (large models);
+    ``verify={"batch": enc, "modules": "sample"}`` passes options to :func:`engine.verify`.
 
     Example:
         >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
@@ -53,12 +56,38 @@ def apply(
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.
     """
+    options = _verify_options(verify)  # bad options fail before the model changes
+    was_patched = is_patched(model)
     report = _patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
-    if verify and report.verification is None:  # a repeat that changed nothing keeps its verification
+    if options is not None and report.verification is None:  # a repeat that changed nothing keeps its verification
         try:
-            report.verification = verification.verify(model, raise_on_failure=True)
+            report.verification = verification.verify(model, raise_on_failure=True, **options)
         except VerificationFailed:
             revert(model)
             raise
+        except Exception:  # verification could not run (a bad batch): the model is as it was before this call
+            if not was_patched:
+                revert(model)
+            raise
     return report
 
+
+
+_VERIFY_OPTIONS = ("batch", "modules", "check_model")
+
+
+def _verify_options(verify: bool | str | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``apply(verify=...)`` as keyword arguments of :func:`engine.verify`, or ``None`` for no verification."""
+    if verify is False or verify is None:
+        return None
+    if verify is True:
+        return {}
+    if verify in ("all", "sample"):
+        return {"modules": verify}
+    if isinstance(verify, Mapping):
+        unknown = sorted(set(verify) - set(_VERIFY_OPTIONS))
+        if unknown:
+            raise ValueError(f"apply(verify=...): unknown option(s) {unknown}; the options are {list(_VERIFY_OPTIONS)}")
+        return dict(verify)
+    raise ValueError(f"apply(verify={verify!r}): expected True, False, 'all', 'sample', or a dict of "
+                     f"engine.verify options ({', '.join(_VERIFY_OPTIONS)})")

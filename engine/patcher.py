@@ -19,12 +19,13 @@ is refused (:class:`AlreadyPatched`): revert first. A patched model pickles (``t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from engine import routing
 from engine.devices import require_present
-from engine.errors import AlreadyPatched
+from engine.errors import AlreadyPatched, NotPatched
 from engine.fused_head import applied_fused_head, without_fused_head
 from engine.forwards import ForwardInstall, bottom_slot, install
 from engine.bound_forward import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
@@ -43,7 +44,7 @@ from engine.report import Report
 from engine.schema import Device, Patchset
 from engine.wrappers import unwrap
 
-__all__ = ["STATE_ATTR", "applied_report", "apply", "is_patched", "revert"]
+__all__ = ["STATE_ATTR", "applied_report", "apply", "is_patched", "original_forwards", "revert"]
 
 STATE_ATTR = "_patch_engine_state"
 
@@ -280,6 +281,43 @@ def revert(model: nn.Module) -> bool:
             stacklevel=2,
         )
     return True
+
+
+@contextlib.contextmanager
+def original_forwards(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, the patched ``model`` runs its original forwards and functions, on its own parameters.
+
+    Why: comparing a patched model with its original needs the original's numbers, and a
+    copy of the model to revert costs the model's memory again. Here every installed forward
+    is taken out of its slot (beneath any wrapper, as :func:`revert` does) and put back on
+    exit, also on an exception; a function patch is a routing set by its callers' forwards,
+    so suspending those forwards suspends it too. The patch state, the routers and the report
+    stay as they are. Not thread-safe: other threads see the original forwards meanwhile.
+
+    Raises:
+        NotPatched: ``model`` is not patched.
+        RuntimeError: a wrapper added after ``apply`` hides an installed forward, so the
+            original cannot be run (nothing is changed then).
+    """
+    model = unwrap(model)
+    state: AppliedState | None = model.__dict__.get(STATE_ATTR)
+    if state is None:
+        raise NotPatched(f"{type(model).__name__} is not patched: it runs its original forwards already")
+    forwards = [rec for rec in state.records if isinstance(rec, _ForwardRecord)]
+    suspended: list[_ForwardRecord] = []
+    try:
+        for rec in reversed(forwards):  # last installed first, as revert: a caller's route wraps the op's forward
+            if not rec.undo():
+                raise RuntimeError(
+                    f"{type(rec.module).__name__}: its patched forward is held inside a wrapper added after apply "
+                    "that the engine cannot see through, so the original forward cannot be run for comparison; "
+                    "remove that wrapper (or verify before adding it)"
+                )
+            suspended.append(rec)
+        yield model
+    finally:
+        for rec in reversed(suspended):  # first installed first, each beneath every wrapper as at apply
+            install(rec.module, bottom_slot(rec.module), rec.installed)
 
 
 def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], None]]:

@@ -177,7 +177,7 @@ def test_report_table_and_dict(qwen3: torch.nn.Module) -> None:
     assert data["passed"] and data["model_dtype"] == "fp32" and data["dtypes"] == ["fp32", "bf16"]
     row = next(m for m in data["modules"] if m["module"] == "model.norm")
     assert row["errors"] == {"fp32": {"max_abs": 0.0, "max_rel": 0.0}, "bf16": {"max_abs": 0.0, "max_rel": 0.0}}
-    assert data["tolerances"]["bf16"] == {"atol": 1e-5, "rtol": 1.6e-2}
+    assert data["judge"] == {"noise_factor": engine.verification.NOISE_FACTOR, "floor_ulps": engine.verification.FLOOR_ULPS, "truth": "fp64"}
 
 
 def test_bf16_model_is_checked_in_fp32_and_bf16() -> None:

@@ -20,20 +20,25 @@ One module per job: :mod:`.compare` (tolerances, errors), :mod:`.probes` (inputs
 :mod:`.results` (the report), :mod:`.runner` (``verify``, which runs them all).
 """
 
-from engine.verification.compare import TOLERANCES, compare
-from engine.verification.models import LOW_PRECISION_FACTOR, compare_models
+from engine.verification.compare import FLOOR_ULPS, NOISE_FACTOR, TOLERANCES, compare, judge
+from engine.verification.models import compare_models
 from engine.verification.probes import probe_batch
 from engine.verification.results import MODEL, Check, VerifyReport
-from engine.verification.runner import verify
+from engine.verification.runner import sample_modules, verify
+from engine.verification.truth import fp64_truth
 
 __all__ = [
-    "LOW_PRECISION_FACTOR",
+    "FLOOR_ULPS",
     "MODEL",
+    "NOISE_FACTOR",
     "TOLERANCES",
     "Check",
     "VerifyReport",
     "compare",
     "compare_models",
+    "fp64_truth",
+    "judge",
     "probe_batch",
+    "sample_modules",
     "verify",
 ]

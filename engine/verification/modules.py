@@ -2,14 +2,16 @@
 
 A module is asked two questions: is the declaration right (the op's torch reference with the
 declared settings, and with every alternative the op knows, vs the original forward, bit-exact),
-and does the chosen kernel agree (within :data:`TOLERANCES`). A function: does the kernel agree
-with the function's torch body.
+and does the chosen kernel agree (bit-equal, or within the original's own rounding error: see
+:func:`engine.verification.compare.judge`). A function: does the kernel agree with the
+function's torch body, judged the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,8 +20,10 @@ from torch import nn
 from engine import routing
 from engine.hub_functions import torch_body
 from engine.ops.base import ModuleOp, get_op
-from engine.verification.compare import DTYPE_NAMES, cast_floats, clone_tensors, compare, is_exact
+from engine.patcher import original_forwards
+from engine.verification.compare import DTYPE_NAMES, cast_floats, clone_tensors, compare, is_exact, judge
 from engine.verification.results import Check
+from engine.verification.truth import fp64_truth
 
 #: Patch keys that say what to patch and how to run it, not what the target computes.
 _NOT_SETTINGS = {"kernel", "optional", "target", "function", "op", "signature"}
@@ -38,8 +42,17 @@ def _varied_keys(patch: Any, alternatives: Sequence[Any]) -> list[str]:
     return [k for k in mine if any(d.get(k) != mine[k] for d in dumps)] or list(mine)
 
 
-def verify_module(d: Any, module: nn.Module, args: Any, kwargs: Any, low: torch.dtype) -> list[Check]:
-    """Declaration (bit-exact, against every alternative) and kernel (within tolerance) checks."""
+def verify_module(
+    d: Any, module: nn.Module, args: Any, kwargs: Any, low: torch.dtype, *, within: nn.Module | None = None
+) -> list[Check]:
+    """Declaration (bit-exact, against every alternative) and kernel (judged by the original's own error) checks.
+
+    Each dtype runs on a copy of this one module cast to it. ``within``: the module holds other
+    patched modules of that model (the fused head's target is the model itself), so it is not
+    copied: it is checked in place in its own dtype, its declaration with every forward of the
+    model original (:func:`engine.patcher.original_forwards`); its kernel's numbers are the
+    whole model's, judged by the ``<model>`` checks.
+    """
     op = get_op(d.op)
     assert isinstance(op, ModuleOp)
     alternatives = list(op.alternatives(d.patch))
@@ -48,10 +61,11 @@ def verify_module(d: Any, module: nn.Module, args: Any, kwargs: Any, low: torch.
     kernel_checks: list[Check] = []
     declared_out: dict[torch.dtype, Any] = {}
     originals: dict[torch.dtype, Any] = {}
-    for dtype in (torch.float32, low):
-        clone = copy.deepcopy(module).to(dtype)
+    own = next(module.parameters(), torch.empty(0)).dtype
+    for dtype in ((own,) if within is not None else (torch.float32, low)):
+        clone = module if within is not None else copy.deepcopy(module).to(dtype)
         a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
-        with torch.no_grad():
+        with torch.no_grad(), original_forwards(within) if within is not None else contextlib.nullcontext():
             expected = op.ground_truth(clone)(clone, *a, **k)
             declared = op.bind(clone, d.patch, op.reference(d.patch))(clone, *a, **k)
             decl_results.append((dtype, compare(declared, expected)))
@@ -59,9 +73,13 @@ def verify_module(d: Any, module: nn.Module, args: Any, kwargs: Any, low: torch.
             for label, alt in alternatives:
                 got = op.bind(clone, alt, op.reference(alt))(clone, *a, **k)
                 alt_exact[label] = alt_exact[label] and is_exact(compare(got, expected))
-            if d.kernel != "torch":  # the torch kernel *is* the declaration, checked above
-                ma, mr, ok = compare(clone.forward(*a, **k), expected)
-                kernel_checks.append(Check(d.path, d.cls, d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, "", d.kernel))
+        if d.kernel != "torch" and within is None:  # the torch kernel *is* the declaration, checked above
+            with torch.no_grad():
+                got = clone.forward(*a, **k)
+            ma, mr, _ = compare(got, expected)
+            ok, note = _judge(got, expected, lambda: op.ground_truth(clone)(clone, *a, **k), clone)
+            kernel_checks.append(Check(d.path, d.cls, d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
+        del clone
     declared_exact = all(is_exact(r) for _, r in decl_results)
     fits = [label for label, exact in alt_exact.items() if exact]
     declared_text = _settings(d.patch, _varied_keys(d.patch, [alt for _, alt in alternatives]))
@@ -94,14 +112,17 @@ def verify_function(d: Any, args: Any, kwargs: Any, low: torch.dtype) -> list[Ch
     wants = {}
     for dtype in (torch.float32, low):
         a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
+        # The original's torch body: transformers may have bound the name to a package
+        # (fla) that does not run on this device; its torch function is the ground truth.
+        body = torch_body(router.original)
         with torch.no_grad():
-            # The original's torch body: transformers may have bound the name to a package
-            # (fla) that does not run on this device; its torch function is the ground truth.
-            wants[dtype] = want = torch_body(router.original)(*a, **k)
+            wants[dtype] = want = body(*a, **k)
             # the kernel on copies: some (liger's rope) rotate contiguous inputs in place
             got = impl(*cast_floats(clone_tensors(a), dtype), **cast_floats(clone_tensors(k), dtype))
-            ma, mr, ok = compare(got, want)
-        note = "" if ok else f"kernel {d.kernel} does not compute what {d.site.function} computes"
+        ma, mr, _ = compare(got, want)
+        ok, note = _judge(got, want, lambda: body(*clone_tensors(a), **clone_tensors(k)), None)
+        if not ok:
+            note = f"kernel {d.kernel} does not compute what {d.site.function} computes: {note}"
         checks.append(Check(d.path, "function", d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
     if not all(c.passed for c in checks):
         fits = _function_fits(d, args, kwargs, wants)
@@ -130,3 +151,12 @@ def _function_fits(d: Any, args: Any, kwargs: Any, wants: dict[torch.dtype, Any]
         if exact:
             fits.append(label)
     return fits
+
+
+def _judge(got: Any, expected: Any, original: Callable[[], Any], module: nn.Module | None) -> tuple[bool, str]:
+    """Bit-equal, or within the original's own rounding error of it (the original rerun in fp64 tells)."""
+    if is_exact(compare(got, expected)):
+        return True, ""
+    with torch.no_grad(), fp64_truth(module):
+        truth = original()
+    return judge(got, expected, truth)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.report import format_table
-from engine.verification.compare import DTYPE_NAMES, TOLERANCES
+from engine.verification.compare import FLOOR_ULPS, NOISE_FACTOR
 
 #: The ``path`` of whole-model checks.
 MODEL = "<model>"
@@ -22,8 +22,11 @@ class Check:
 
     ``what`` is ``declaration`` (the op's reference with the declared settings vs the
     original forward: must be bit-exact, or no alternative may fit better), ``kernel`` (the
-    chosen kernel vs the original, within :data:`TOLERANCES`), ``called`` (the target ran
-    at all), or, for ``<model>``, ``logits``, ``loss`` and ``grads``.
+    chosen kernel vs the original: bit-equal, or within the original's own rounding error,
+    :func:`engine.verification.compare.judge`), ``called`` (the target ran at all), or, for
+    ``<model>``, ``logits``, ``loss`` and ``grads`` (judged the same way). ``max_abs`` and
+    ``max_rel`` are always the difference from the original; ``note`` says how it compares
+    with the original's own error where they are not bit-equal.
     """
 
     path: str
@@ -58,6 +61,8 @@ class VerifyReport:
     checks: list[Check] = field(default_factory=list)
     model_dtype: str = "fp32"
     dtypes: tuple[str, ...] = ("fp32", "bf16")
+    #: Patched modules not checked one by one (``verify(modules="sample")``); 0: every one was.
+    sampled: int = 0
 
     @property
     def passed(self) -> bool:
@@ -104,16 +109,13 @@ class VerifyReport:
         )
 
     def legend(self) -> str:
-        tol = ", ".join(
-            f"{name} {TOLERANCES[dt][0]:g}+{TOLERANCES[dt][1]:g}*max|ref|"
-            for dt, name in DTYPE_NAMES.items() if name in (*self.dtypes, self.model_dtype)
-        )
         return (
             "checks: declaration = the op's reference with the declared settings vs the original forward,\n"
-            "        bit-exact in every dtype; kernel = the chosen kernel vs the original, within " + tol + ";\n"
-            f"        {MODEL} = logits, loss and every parameter gradient vs the unpatched model ({self.model_dtype})"
-            + ("; where not equal, at most 2x as far from the fp32 model as the original"
-               if self.model_dtype in ("bf16", "fp16") else "")
+            "        bit-exact in every dtype; kernel = the chosen kernel vs the original;\n"
+            f"        {MODEL} = logits, loss and every parameter gradient vs the unpatched model ({self.model_dtype});\n"
+            f"        kernel and {MODEL}: bit-equal, or |patched - original| <= {NOISE_FACTOR:g} x |original - fp64| "
+            f"+ {FLOOR_ULPS:g} ulp of max|fp64|\n"
+            "        (fp64: the original evaluated in fp64 on the same inputs, its fp32 casts included)"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,7 +123,8 @@ class VerifyReport:
             "passed": self.passed,
             "model_dtype": self.model_dtype,
             "dtypes": list(self.dtypes),
-            "tolerances": {DTYPE_NAMES[dt]: {"atol": a, "rtol": r} for dt, (a, r) in TOLERANCES.items()},
+            "judge": {"noise_factor": NOISE_FACTOR, "floor_ulps": FLOOR_ULPS, "truth": "fp64"},
+            "sampled": self.sampled,
             "modules": [
                 {**{k: v for k, v in row.items() if k != "errors"},
                  "errors": {dt: {"max_abs": e[0], "max_rel": e[1]} for dt, e in row["errors"].items()}}
@@ -135,6 +138,8 @@ class VerifyReport:
         verdict = "passed" if self.passed else f"FAILED ({len(self.failures)} of {len(self.checks)} checks)"
         head = (f"verification {verdict}: {modules} patched modules and functions, {len(self.checks)} checks, "
                 f"model dtype {self.model_dtype}, modules checked in {' and '.join(self.dtypes)}")
+        if self.sampled:
+            head += f" ({self.sampled} more patched modules not checked one by one: a sample of each class)"
         return f"{head}\n{self.table()}\n{self.legend()}"
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -11,65 +11,101 @@ from torch import nn
 from engine.errors import NotPatched, VerificationFailed
 from engine.patcher import STATE_ATTR, apply, revert
 from engine.verification.compare import DTYPE_NAMES
-from engine.verification.models import compare_models
+from engine.verification.models import compare_models, seeded
 from engine.verification.modules import verify_function, verify_module
-from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch
+from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, takes_labels
 from engine.verification.results import Check, VerifyReport, failure_message
 from engine.wrappers import unwrap
+
+__all__ = ["sample_modules", "verify"]
+
+Modules = Literal["all", "sample"]
 
 
 def verify(
     model: nn.Module,
     patchset: Any = None,
     *,
-    batch: dict[str, torch.Tensor] | None = None,
+    batch: Mapping[str, torch.Tensor] | None = None,
+    modules: Modules = "all",
     check_model: bool = True,
     raise_on_failure: bool = True,
     **apply_kwargs: Any,
 ) -> VerifyReport:
-    """Verify a patched model (or, given ``patchset``, a patched deep copy of an unpatched one).
+    """Verify a patched model (or, given ``patchset``, patch an unpatched one, verify it, and revert it).
 
     Every patched module is checked on the inputs it received in one real forward, in fp32
     and in the model's low-precision dtype (bf16 for an fp32 model, where cast orders
-    differ); then the whole model (logits, loss, parameter gradients) in its own dtype.
+    differ); then the whole model (logits, loss, parameter gradients) in its own dtype. A
+    result that is not bit-equal to the original's passes where it differs from it by at most
+    ``k`` times the original's own rounding error, measured against the original evaluated
+    in fp64 (:func:`engine.verification.compare.judge`). Nothing is copied but one module at
+    a time; the model is left as it was (forwards, parameters, ``.grad``, the RNG state).
+
+    Args:
+        model: a transformers model (or a wrapper of one, e.g. a ``PeftModel``).
+        patchset: verify this patchset on ``model``, which must not be patched: it is applied
+            in place (with ``apply_kwargs``: ``device``, ``mode``, ``fused_cross_entropy``),
+            verified and reverted, also when verification fails.
+        batch: real inputs, e.g. a tokenizer's output (``input_ids``, ``attention_mask``,
+            optionally ``labels`` with ``-100`` where no loss is taken); without ``labels``, a
+            causal LM gets ``input_ids`` with padding (``attention_mask == 0``) set to ``-100``.
+            Default: a random batch of token ids (:func:`probe_batch`).
+        modules: ``"all"`` checks every patched module one by one; ``"sample"`` only the first,
+            middle and last module of each patched class (for large models: the modules of a
+            class run the same code on their own weights). Functions and the whole model are
+            always checked.
 
     Raises:
         VerificationFailed: on any failed check (unless ``raise_on_failure=False``); the
             message names each failing module path and class, the declared settings, and
             the alternative settings that would have matched. ``exc.report`` has every check.
+        ValueError: ``batch`` or ``modules`` is not usable (the message says why).
+
+    Example:
+        >>> enc = tokenizer(texts, return_tensors="pt", padding=True)          # doctest: +SKIP
+        >>> engine.verify(model, "gemma3_text", batch=dict(enc), modules="sample")  # doctest: +SKIP
     """
     model = unwrap(model)
+    if modules not in ("all", "sample"):
+        raise ValueError(f"verify(modules={modules!r}): expected 'all' (every patched module) or 'sample' "
+                         "(first, middle and last of each patched class)")
     if patchset is not None and STATE_ATTR not in model.__dict__:
-        twin = copy.deepcopy(model)
-        apply(twin, patchset, **apply_kwargs)
+        apply(model, patchset, **apply_kwargs)
         try:
-            return verify(twin, batch=batch, check_model=check_model, raise_on_failure=raise_on_failure)
+            return verify(model, batch=batch, modules=modules, check_model=check_model,
+                          raise_on_failure=raise_on_failure)
         finally:
-            revert(twin)  # releases its function routers: the copy must not keep them installed
+            revert(model)  # also on failure: the model is exactly as it was
     state = model.__dict__.get(STATE_ATTR)
     if state is None:
         raise NotPatched(
             f"{type(model).__name__} is not patched, so there is nothing to verify; call "
             "engine.apply(model, patchset) first, or pass the patchset: engine.verify(model, 'qwen3') "
-            "verifies a patched copy and leaves the model as it is"
+            "patches it, verifies, and reverts it"
         )
     decisions = [d for d in state.report.decisions if d.action == "patch"]
-    batch = batch or probe_batch(model)
+    checked = decisions if modules == "all" else sample_modules(decisions)
+    batch = prepare_batch(model, batch)
     low = low_precision_dtype(model)
     model_dtype = next(model.parameters()).dtype
     report = VerifyReport(
-        model_dtype=DTYPE_NAMES.get(model_dtype, str(model_dtype)), dtypes=("fp32", DTYPE_NAMES[low])
+        model_dtype=DTYPE_NAMES.get(model_dtype, str(model_dtype)), dtypes=("fp32", DTYPE_NAMES[low]),
+        sampled=len(decisions) - len(checked),
     )
-    captured = capture_inputs(model, decisions, batch)
-    modules = dict(model.named_modules())
-    for d in decisions:
+    with seeded(model):
+        captured = capture_inputs(model, checked, batch)
+    named = dict(model.named_modules())
+    containers = _containers(checked)
+    for d in checked:
         if d.path not in captured:
             cls = d.cls if d.site is None else "function"
             report.checks.append(Check(d.path, cls, d.op, "called", "-", 0.0, 0.0, False, _NOT_CALLED, d.kernel or "-"))
             continue
-        args, kwargs = captured[d.path]
+        args, kwargs = captured.pop(d.path)  # released as it is used
         if d.site is None:
-            report.checks.extend(verify_module(d, modules[d.path], args, kwargs, low))
+            within = model if d.path in containers else None
+            report.checks.extend(verify_module(d, named[d.path], args, kwargs, low, within=within))
         else:
             report.checks.extend(verify_function(d, args, kwargs, low))
     if check_model:
@@ -79,6 +115,55 @@ def verify(
         error.report = report  # type: ignore[attr-defined]
         raise error
     return report
+
+
+def sample_modules(decisions: Sequence[Any]) -> list[Any]:
+    """The first, middle and last patched module of each class (and op); every function patch.
+
+    Why these three: the modules of one class run the same forward on their own weights, and
+    trained weights differ most between the first and the last layers (the middle one stands
+    for the rest).
+    """
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for d in decisions:
+        if d.site is None:
+            groups.setdefault((d.cls, d.op), []).append(d)
+    keep = set()
+    for group in groups.values():
+        keep.update(id(group[i]) for i in {0, len(group) // 2, len(group) - 1})
+    return [d for d in decisions if d.site is not None or id(d) in keep]
+
+
+def prepare_batch(model: nn.Module, batch: Mapping[str, torch.Tensor] | None) -> dict[str, Any]:
+    """The batch to verify on: the given one on the model's device (with labels for a causal LM), or a probe.
+
+    A tokenizer's ``BatchEncoding`` is a mapping and works as it is. Without ``labels``, a
+    model that takes them gets ``input_ids`` as labels with padding (``attention_mask == 0``)
+    set to ``-100``, as a causal-LM data collator makes them.
+    """
+    if batch is None:
+        return probe_batch(model)
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"verify(batch=...) takes a mapping of model inputs (a tokenizer's output, or "
+                         f"{{'input_ids': ..., 'attention_mask': ..., 'labels': ...}}), not {type(batch).__name__}")
+    device = next(model.parameters()).device
+    out = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    ids = out.get("input_ids")
+    if "labels" not in out and isinstance(ids, torch.Tensor) and takes_labels(model):
+        mask = out.get("attention_mask")
+        out["labels"] = ids.masked_fill(mask == 0, -100) if isinstance(mask, torch.Tensor) else ids.clone()
+    labels = out.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.numel() and not bool((labels[..., 1:] != -100).any()):
+        raise ValueError("verify(batch=...): every label after the first position is -100, so no token is scored: "
+                         "the loss and its gradients would say nothing. Pass labels for at least one token")
+    return out
+
+
+def _containers(decisions: Sequence[Any]) -> set[str]:
+    """Paths of patched modules that hold another patched module (the fused head's target: the model)."""
+    paths = [d.path for d in decisions if d.site is None]
+    return {p for p in paths if any(q != p and (p == "" or q.startswith(p + ".")) for q in paths)} | (
+        {""} if "" in paths else set())
 
 
 _NOT_CALLED = (

@@ -1,0 +1,203 @@
+"""The original model evaluated in fp64, without an fp64 copy of it: the truth the judge measures against.
+
+Why not ``copy.deepcopy(model).double()``: it costs twice the model's memory, and it is not an
+fp64 evaluation anyway. transformers rounds to fp32 inside its norms
+(``hidden_states.to(torch.float32)``), before the loss (``logits.float()``), in eager attention
+(``softmax(..., dtype=torch.float32)``), so a model cast to fp64 is rounded to fp32 exactly where
+transformers' own fp32 model is, and the "truth" flatters the original.
+
+:class:`Fp64` is a ``TorchFunctionMode`` active only during the truth run. For every torch call it
+
+* upcasts every floating-point tensor argument to fp64, one op at a time (a parameter's fp64
+  copy lives for the op that uses it; when autograd must save it for the backward, a
+  ``saved_tensors_hooks`` pair saves a reference to the fp32 parameter instead and upcasts it
+  again when the backward needs it, so the graph never keeps fp64 parameters alive);
+* turns every cast to a lower float dtype into a no-op on fp64 tensors: ``.float()``,
+  ``.half()``, ``.bfloat16()``, and any ``dtype`` argument (``.to(torch.float32)``,
+  ``.type(...)``, ``softmax(dtype=torch.float32)``, ``torch.zeros(dtype=...)``) becomes fp64;
+* counts any floating-point result that is still not fp64 (:attr:`Fp64.rounded`), so a caller
+  can check that nothing rounded (tests assert it is empty).
+
+A trainable parameter's gradient is not accumulated into its ``.grad``: each use of the
+parameter goes through :class:`_Upcast`, whose backward hands the fp64 gradient of that use to
+a :class:`GradientSink`, which sums the uses of one parameter and calls back once the last
+use has arrived; the caller compares it and lets it go. So at most the parameters whose uses
+are still outstanding (a tied embedding: from the head to the input lookup) hold an fp64
+gradient at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+__all__ = ["Fp64", "GradientSink", "fp64_truth"]
+
+_LOWER = (torch.float32, torch.float16, torch.bfloat16)
+_DOWNCASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
+#: Calls that read metadata: their float arguments are left as they are (no upcast copy).
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride,
+             torch.Tensor.is_floating_point, torch.Tensor.element_size, torch.Tensor.data_ptr,
+             torch.Tensor.is_contiguous, torch.Tensor.storage_offset, torch.Tensor.__len__,
+             torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.untyped_storage}
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDER
+
+
+_IN_PLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
+
+
+class GradientSink:
+    """Sums the fp64 gradient of each use of a parameter; calls ``on_complete(name, grad)`` after its last use."""
+
+    def __init__(self, on_complete: Callable[[str, torch.Tensor], None]):
+        self.on_complete = on_complete
+        self.uses: dict[str, int] = {}
+        self.arrived: dict[str, int] = {}
+        self.partial: dict[str, torch.Tensor] = {}
+
+    def used(self, name: str) -> None:
+        self.uses[name] = self.uses.get(name, 0) + 1
+
+    def receive(self, name: str, grad: torch.Tensor) -> None:
+        held = self.partial.pop(name, None)
+        total = grad if held is None else held + grad
+        self.arrived[name] = self.arrived.get(name, 0) + 1
+        if self.arrived[name] >= self.uses.get(name, 0):
+            self.on_complete(name, total)
+        else:
+            self.partial[name] = total
+
+    def flush(self) -> None:
+        """Deliver parameters some of whose uses never reached the loss (their gradient is what arrived)."""
+        for name in list(self.partial):
+            self.on_complete(name, self.partial.pop(name))
+
+
+class _Upcast(torch.autograd.Function):
+    """``p.to(float64)`` whose backward hands the fp64 gradient to a sink instead of ``p.grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, sink: GradientSink, name: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.sink, ctx.name = sink, name
+        return p.detach().to(torch.float64)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        ctx.sink.receive(ctx.name, grad)
+        return None, None, None
+
+
+class _ParamRef:
+    """What autograd saves instead of (a view of) an upcast parameter: the parameter and the view's geometry."""
+
+    __slots__ = ("geometry", "param")
+
+    def __init__(self, param: torch.Tensor, geometry: tuple[Any, ...]):
+        self.param, self.geometry = param, geometry
+
+
+class Fp64(TorchFunctionMode):
+    """Run torch calls in fp64, with lower-precision casts as no-ops (see the module docstring).
+
+    Args:
+        params: ``{id(parameter): (name, parameter)}`` of the model; trainable ones (with grad
+            enabled and a ``sink``) send their fp64 gradients to ``sink``.
+        sink: where parameter gradients go; ``None`` under ``torch.no_grad``.
+    """
+
+    def __init__(self, params: dict[int, tuple[str, nn.Parameter]], sink: GradientSink | None = None):
+        super().__init__()
+        self.params = params
+        self.sink = sink
+        self.rounded: dict[str, int] = {}
+        self._upcasts: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def _up(self, value: Any) -> Any:
+        if isinstance(value, torch.dtype):
+            return torch.float64 if value in _LOWER else value
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == torch.float64:
+            return value
+        entry = self.params.get(id(value))
+        if entry is None:
+            return value.to(torch.float64)
+        name, param = entry
+        if self.sink is not None and param.requires_grad and torch.is_grad_enabled():
+            self.sink.used(name)
+            wide = _Upcast.apply(param, self.sink, name)
+        else:
+            wide = param.detach().to(torch.float64)
+        self._upcasts[id(wide)] = (weakref.ref(wide), param)
+        return wide
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__"):
+            return func(*args, **kwargs)
+        if func in _DOWNCASTS and args and isinstance(args[0], torch.Tensor):
+            return self._up(args[0])
+        if _in_place(func) and args and isinstance(args[0], torch.Tensor):
+            # ``t.add_(...)``, ``t[i] = v``: the result must land in ``t`` itself, not in an upcast copy
+            rest, kwargs = tree_map(self._up, (args[1:], kwargs))
+            args = (args[0], *rest)
+        else:
+            args, kwargs = tree_map(self._up, (args, kwargs))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64:
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            self.rounded[name] = self.rounded.get(name, 0) + 1
+        return out
+
+    # ---- saved tensors: a reference to the parameter, not its fp64 copy ----------------------
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        base = tensor._base if tensor._base is not None else tensor
+        entry = self._upcasts.get(id(base))
+        if entry is not None and entry[0]() is base:
+            return _ParamRef(entry[1], (tensor.size(), tensor.stride(), tensor.storage_offset()))
+        return tensor
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _ParamRef):
+            return saved.param.detach().to(torch.float64).as_strided(*saved.geometry)
+        return saved
+
+
+class fp64_truth:  # noqa: N801 - used like a function: ``with fp64_truth(model) as mode:``
+    """Inside the block, ``model`` (and any torch code) computes in fp64; ``as`` gives the mode (see :class:`Fp64`).
+
+    The backward may run after the block: what the forward saved refers to the fp32
+    parameters, and their gradients reach ``sink`` whenever autograd computes them.
+    """
+
+    def __init__(self, model: nn.Module | None, sink: GradientSink | None = None):
+        params = {id(p): (name, p) for name, p in model.named_parameters()} if model is not None else {}
+        self.mode = Fp64(params, sink)
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> Fp64:
+        with contextlib.ExitStack() as stack:
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float64)  # ``torch.zeros(shape)`` and ``torch.tensor(0.5)`` too
+            stack.callback(torch.set_default_dtype, default)
+            stack.callback(self.mode._upcasts.clear)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.mode.pack, self.mode.unpack))
+            stack.enter_context(self.mode)
+            self._stack = stack.pop_all()
+        return self.mode
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
