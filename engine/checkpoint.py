@@ -176,18 +176,20 @@ def verify_checkpoint(
     mode: str = "inference",
     device: Any = None,
     fused_cross_entropy: Any = None,
+    modules: str = "all",
 ) -> CheckpointVerification:
     """Perplexity unpatched; apply; verify on ``batch``; perplexity patched; revert.
 
     ``mode`` is how the model runs: ``training`` (``model.train()``, kernels with a backward,
-    the fused head computing the loss) or ``inference`` (``model.eval()``). The model is
-    reverted before this returns, also when verification fails.
+    the fused head computing the loss) or ``inference`` (``model.eval()``). ``modules="sample"``
+    checks the first, middle and last module of each patched class (see :func:`engine.verify`).
+    The model is reverted before this returns, also when verification fails.
     """
     model.train(mode == "training")
     before = perplexity(model, batch)
     applied = apply(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
     try:
-        report = verify(model, batch=batch, raise_on_failure=False)
+        report = verify(model, batch=batch, modules=modules, raise_on_failure=False)
         after = perplexity(model, batch)
     finally:
         revert(model)
@@ -205,6 +207,7 @@ def verify_checkpoint_files(
     mode: str = "inference",
     device: str | None = None,
     fused_cross_entropy: Any = None,
+    modules: str = "all",
     trust_remote_code: bool = False,
 ) -> CheckpointVerification:
     """What ``patch-engine verify PATCHSET --model PATH | --gguf FILE`` runs, from paths and names.
@@ -228,7 +231,8 @@ def verify_checkpoint_files(
     loaded.to(dev.value)
     words = Path(text).read_text(encoding="utf-8") if text is not None else default_text()
     batch = text_batch(tokenizer, words, max_tokens=max_tokens, device=dev.value)
-    done = verify_checkpoint(loaded, ps, batch, mode=mode, device=dev, fused_cross_entropy=fused_cross_entropy)
+    done = verify_checkpoint(loaded, ps, batch, mode=mode, device=dev, fused_cross_entropy=fused_cross_entropy,
+                             modules=modules)
     done.source = {"checkpoint": str(gguf or model), "model": type(loaded).__name__, "dtype": dtype,
                    "text": text or "the bundled text"}
     return done

@@ -108,7 +108,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     if args.model or args.gguf:
         return _verify_checkpoint(args)
-    given = [flag for flag, value in (("--text", args.text), ("--mode", args.mode),
+    given = [flag for flag, value in (("--text", args.text), ("--mode", args.mode), ("--sample", args.sample),
+                                      ("--fused-cross-entropy", args.fused_cross_entropy),
                                       ("--trust-remote-code", args.trust_remote_code)) if value]
     if given:
         raise InvalidArgument(f"{', '.join(given)} apply to a checkpoint only: add --model PATH or --gguf FILE")
@@ -144,6 +145,7 @@ def _verify_checkpoint(args: argparse.Namespace) -> int:
         args.patchset, model=args.model, gguf=args.gguf, text=args.text, max_tokens=args.max_tokens,
         dtype=args.dtype, mode=args.mode or "inference", device=args.device,
         fused_cross_entropy=True if args.fused_cross_entropy else None, trust_remote_code=args.trust_remote_code,
+        modules="sample" if args.sample else "all",
     )
     print(json.dumps(done.to_dict(), indent=2) if args.json else done.text(detail=args.detail))
     return EXIT_OK if done.passed else EXIT_FAILED
@@ -269,6 +271,8 @@ def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="tokens of the text to use (default: 512)")
     p.add_argument("--mode", choices=("training", "inference"), help="how the model runs (default: inference)")
     p.add_argument("--fused-cross-entropy", action="store_true", help="also fuse the LM head and loss")
+    p.add_argument("--sample", action="store_true",
+                   help="check the first, middle and last module of each patched class (big models)")
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the checkpoint")
 
 
