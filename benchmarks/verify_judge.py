@@ -89,11 +89,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoints", nargs="+", default=["gemma3", "smollm2"])
     parser.add_argument("--configs", nargs="+", default=["fused_head", "compiled", "wrong"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/verify_judge.json"))
+    parser.add_argument("--render", nargs=2, type=Path, metavar=("NEW", "OLD"),
+                        help="write --out (JSON) and its .md from a new and an old run's JSON files; measure nothing")
     args = parser.parse_args(argv)
+    if args.render:
+        new, old = (json.loads(path.read_text()) for path in args.render)
+        results = {"torch": new["torch"], "new": new["rows"], "old": old["rows"]}
+        args.out.write_text(json.dumps(results, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(results))
+        print(markdown(results))
+        return 0
     args.folder.mkdir(parents=True, exist_ok=True)
     rows = [row for name in args.checkpoints for row in judge(name, args.folder, args.configs)]
     args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
     return 0
+
+
+def _times(note: str) -> str:
+    """The ``k``-ratio a note of the new judge states (``... = 0.92x the original's own error ...``)."""
+    return note.split(" = ")[1].split("x ")[0] + "x" if " = " in note else "-"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    from engine.verification import FLOOR_ULPS, NOISE_FACTOR
+
+    lines = [
+        "## The whole-model judge on real checkpoints, before and after",
+        "",
+        ("`compare_models(model, batch)` (the `<model>` checks of `engine.verify`) on Gemma 3 270M and SmolLM2-135M "
+        "(GGUF dequantized to fp32, training mode, two English sentences, padded, `-100` labels at the padding). "
+        "Old: fixed tolerances (fp32 `1e-5 + 1.3e-6 * max|ref|`). New: `|patched - original| <= k * |original - fp64| "
+        f"+ floor`, k = {NOISE_FACTOR:g}, floor = {FLOOR_ULPS:g} ulp of max|fp64|; the ratio column is "
+        "`|patched - original| / |original - fp64|` (worst tensor; for grads the worst parameter)."),
+        "",
+        "| checkpoint | patches | check | max abs diff | old verdict | new verdict | ratio (new) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    old = {(r["checkpoint"], r["config"]): {c["what"]: c for c in r["checks"]} for r in results["old"]}
+    for row in results["new"]:
+        before = old.get((row["checkpoint"], row["config"]), {})
+        for c in row["checks"]:
+            o = before.get(c["what"]) or before.get(c["what"].split(" ")[0])
+            lines.append(
+                f"| {row['checkpoint']} | {row['config']} | {c['what']} | {c['max_abs']:.2g} | "
+                f"{('pass' if o['passed'] else 'FAIL') if o else '-'} | {'pass' if c['passed'] else 'FAIL'} | "
+                f"{_times(c['note'])} |"
+            )
+    lines += ["", "Reproduce: see the docstring of `benchmarks/verify_judge.py` (a new and an old checkout).", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

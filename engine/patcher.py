@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from engine import routing
+from engine.bound_forward import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
 from engine.devices import require_present
 from engine.errors import AlreadyPatched, NotPatched
-from engine.fused_head import applied_fused_head, without_fused_head
 from engine.forwards import ForwardInstall, bottom_slot, install
-from engine.bound_forward import MISSING, Binding, PatchedForward, build_forward, build_impl, rebind_pending
+from engine.fused_head import applied_fused_head, without_fused_head
 from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
 from engine.report import Report

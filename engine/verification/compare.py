@@ -1,7 +1,9 @@
-"""Comparing two results: tolerances per dtype, and the errors of one result against another.
+"""Comparing two results: their differences, and the judge that says whether a difference is a bug.
 
 Why its own module: every check (a module, a function, the whole model) judges numbers the
-same way, and the tolerances are what a reader of a failure needs to look up.
+same way: bit-equal, or within ``k`` times the original's own rounding error (:func:`judge`,
+:data:`NOISE_FACTOR`, :data:`FLOOR_ULPS`). :data:`TOLERANCES` are fixed per-dtype tolerances
+for callers that compare two kernels directly (tests, the scaffold's bit-exact search).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Any
 
 import torch
 
-#: (atol, rtol) per dtype for kernel-vs-original comparisons (torch.testing's defaults). An
+#: (atol, rtol) per dtype for direct comparisons (``compare(...)[2]``; verification judges kernels
+#: and the model with :func:`judge` instead). An
 #: element passes within ``atol + rtol * max|reference|``: relative to the tensor's scale, not
 #: to the element, because a module's output is often a reduction (an MLP's down projection)
 #: over an intermediate a fused kernel rounds once instead of twice; near-zero outputs of such

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine import routing
-from engine.hub_functions import torch_body
+from engine.hub_functions import torch_body, torch_path
 from engine.ops.base import ModuleOp, get_op
 from engine.patcher import original_forwards
 from engine.verification.compare import DTYPE_NAMES, cast_floats, clone_tensors, compare, is_exact, judge
@@ -65,7 +65,7 @@ def verify_module(
     for dtype in ((own,) if within is not None else (torch.float32, low)):
         clone = module if within is not None else copy.deepcopy(module).to(dtype)
         a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
-        with torch.no_grad(), original_forwards(within) if within is not None else contextlib.nullcontext():
+        with torch.no_grad(), _original(within):
             expected = op.ground_truth(clone)(clone, *a, **k)
             declared = op.bind(clone, d.patch, op.reference(d.patch))(clone, *a, **k)
             decl_results.append((dtype, compare(declared, expected)))
@@ -77,7 +77,7 @@ def verify_module(
             with torch.no_grad():
                 got = clone.forward(*a, **k)
             ma, mr, _ = compare(got, expected)
-            ok, note = _judge(got, expected, lambda: op.ground_truth(clone)(clone, *a, **k), clone)
+            ok, note = _judge(got, expected, op.ground_truth(clone), (clone, *a), k, clone)
             kernel_checks.append(Check(d.path, d.cls, d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
         del clone
     declared_exact = all(is_exact(r) for _, r in decl_results)
@@ -96,6 +96,16 @@ def verify_module(
             note = f"declared {declared_text} does not reproduce {d.cls}.forward{kind}{tried}; is this the right op?"
         checks.append(Check(d.path, d.cls, d.op, "declaration", DTYPE_NAMES[dtype], ma, mr, passed, note, d.kernel))
     return checks + kernel_checks
+
+
+@contextlib.contextmanager
+def _original(model: nn.Module | None) -> Iterator[None]:
+    """``model`` with every forward original and its package-bound functions on torch (see ``models._original``)."""
+    if model is None:
+        yield
+        return
+    with original_forwards(model), torch_path(model):
+        yield
 
 
 def _dtype_of(value: Any) -> str:
@@ -120,7 +130,7 @@ def verify_function(d: Any, args: Any, kwargs: Any, low: torch.dtype) -> list[Ch
             # the kernel on copies: some (liger's rope) rotate contiguous inputs in place
             got = impl(*cast_floats(clone_tensors(a), dtype), **cast_floats(clone_tensors(k), dtype))
         ma, mr, _ = compare(got, want)
-        ok, note = _judge(got, want, lambda: body(*clone_tensors(a), **clone_tensors(k)), None)
+        ok, note = _judge(got, want, body, clone_tensors(a), clone_tensors(k), None)
         if not ok:
             note = f"kernel {d.kernel} does not compute what {d.site.function} computes: {note}"
         checks.append(Check(d.path, "function", d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
@@ -153,10 +163,12 @@ def _function_fits(d: Any, args: Any, kwargs: Any, wants: dict[torch.dtype, Any]
     return fits
 
 
-def _judge(got: Any, expected: Any, original: Callable[[], Any], module: nn.Module | None) -> tuple[bool, str]:
-    """Bit-equal, or within the original's own rounding error of it (the original rerun in fp64 tells)."""
+def _judge(
+    got: Any, expected: Any, original: Callable[..., Any], args: Any, kwargs: Any, module: nn.Module | None
+) -> tuple[bool, str]:
+    """Bit-equal, or within the original's own rounding error of it (``original(*args, **kwargs)`` rerun in fp64 tells)."""
     if is_exact(compare(got, expected)):
         return True, ""
     with torch.no_grad(), fp64_truth(module):
-        truth = original()
+        truth = original(*args, **kwargs)
     return judge(got, expected, truth)

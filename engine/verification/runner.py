@@ -60,7 +60,8 @@ def verify(
         VerificationFailed: on any failed check (unless ``raise_on_failure=False``); the
             message names each failing module path and class, the declared settings, and
             the alternative settings that would have matched. ``exc.report`` has every check.
-        ValueError: ``batch`` or ``modules`` is not usable (the message says why).
+        ValueError: ``modules`` is unknown, or ``batch`` scores no token (every label ``-100``).
+        TypeError: ``batch`` is not a mapping.
 
     Example:
         >>> enc = tokenizer(texts, return_tensors="pt", padding=True)          # doctest: +SKIP
@@ -144,7 +145,7 @@ def prepare_batch(model: nn.Module, batch: Mapping[str, torch.Tensor] | None) ->
     if batch is None:
         return probe_batch(model)
     if not isinstance(batch, Mapping):
-        raise ValueError(f"verify(batch=...) takes a mapping of model inputs (a tokenizer's output, or "
+        raise TypeError(f"verify(batch=...) takes a mapping of model inputs (a tokenizer's output, or "
                          f"{{'input_ids': ..., 'attention_mask': ..., 'labels': ...}}), not {type(batch).__name__}")
     device = next(model.parameters()).device
     out = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

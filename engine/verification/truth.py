@@ -98,6 +98,30 @@ class _Upcast(torch.autograd.Function):
         return None, None, None
 
 
+def _grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    out_dtype: Any = None,
+) -> Any:
+    """``grouped_mm`` in fp64 (torch's kernel has none): rows ``offs[g-1]:offs[g]`` of ``a`` times ``b[g]``."""
+    if bias is not None or offs is None or a.dim() != 2 or b.dim() != 3:
+        raise NotImplementedError(f"grouped_mm in fp64 for these arguments ({a.dim()}D x {b.dim()}D)")
+    ends = offs.tolist()
+    parts, start = [], 0
+    for g, end in enumerate(ends):
+        parts.append(a[start:end] @ b[g])
+        start = end
+    if start < a.shape[0]:  # rows past the last group: zeros, as the kernel leaves them
+        parts.append(a.new_zeros(a.shape[0] - start, b.shape[-1]))
+    return torch.cat(parts)
+
+
+#: Calls whose torch kernel has no fp64: an fp64 equivalent built from calls that have one.
+_FP64_EQUIVALENTS: dict[Any, Callable[..., Any]] = {
+    f: _grouped_mm for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None))
+    if f is not None
+}
+
+
 class _ParamRef:
     """What autograd saves instead of (a view of) an upcast parameter: the parameter and the view's geometry."""
 
@@ -145,18 +169,28 @@ class Fp64(TorchFunctionMode):
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__"):
             return func(*args, **kwargs)
         if func in _DOWNCASTS and args and isinstance(args[0], torch.Tensor):
-            return self._up(args[0])
+            x = args[0]  # ``ids.float()``: an integer tensor becomes fp64 (exact below 2**53)
+            return self._up(x) if x.is_floating_point() else x.to(torch.float64)
         if _in_place(func) and args and isinstance(args[0], torch.Tensor):
             # ``t.add_(...)``, ``t[i] = v``: the result must land in ``t`` itself, not in an upcast copy
             rest, kwargs = tree_map(self._up, (args[1:], kwargs))
             args = (args[0], *rest)
         else:
+            original = (args, kwargs)
             args, kwargs = tree_map(self._up, (args, kwargs))
+            try:
+                return self._count(func, _FP64_EQUIVALENTS.get(func, func)(*args, **kwargs))
+            except (RuntimeError, NotImplementedError):  # a kernel without fp64: as the original (named in ``rounded``)
+                return self._count(func, func(*original[0], **original[1]))
         out = func(*args, **kwargs)
+        return self._count(func, out)
+
+    def _count(self, func: Any, out: Any) -> Any:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64:
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
             self.rounded[name] = self.rounded.get(name, 0) + 1
         return out
+
 
     # ---- saved tensors: a reference to the parameter, not its fp64 copy ----------------------
 
@@ -174,7 +208,7 @@ class Fp64(TorchFunctionMode):
         return saved
 
 
-class fp64_truth:  # noqa: N801 - used like a function: ``with fp64_truth(model) as mode:``
+class fp64_truth:
     """Inside the block, ``model`` (and any torch code) computes in fp64; ``as`` gives the mode (see :class:`Fp64`).
 
     The backward may run after the block: what the forward saved refers to the fp32
@@ -197,7 +231,7 @@ class fp64_truth:  # noqa: N801 - used like a function: ``with fp64_truth(model)
             self._stack = stack.pop_all()
         return self.mode
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.__exit__(*exc)
