@@ -140,12 +140,13 @@ PAIRWISE = {
 FULL_MATRIX = os.environ.get("PATCH_ENGINE_REAL_MATRIX", "") == "full"
 
 
-#: Measured on SmolLM2 with the calibrated judge (i17-judge, k=3): the compiled rms_norm's bf16
-#: weight gradients (9 of 272 parameters, worst model.layers.21.input_layernorm.weight) differ from
-#: transformers' by 6.9x transformers' own distance to fp64; logits, loss and every module pass.
+#: Measured with the calibrated judge (i17-judge, k=3), 64 tokens: the compiled kernels in bf16
+#: pass every module check, but the whole model does not. SmolLM2: 9 of 272 parameter gradients
+#: (worst model.layers.21.input_layernorm.weight, 6.9x the original's own error vs fp64). Gemma 3:
+#: loss 4.5x and 6 of 236 gradients (worst model.layers.17.input_layernorm.weight, 5.6x).
 COMPILED_BF16_GRADS = pytest.mark.xfail(
-    reason="compiled rms_norm bf16 weight gradients: 6.9x the original's own error vs fp64 on SmolLM2 "
-           "(judge k=3); for i17-judge / i17-compile to settle (kernel or k)", strict=False)
+    reason="compiled kernels in bf16: norm weight gradients (and Gemma's loss) 4.5-6.9x the original's own "
+           "error vs fp64 (judge k=3); for i17-judge / i17-compile to settle (the kernel or k)", strict=False)
 
 
 def _row(kernel: str, dtype: str, mode: str, fused: bool) -> Any:
