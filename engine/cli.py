@@ -106,6 +106,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     from engine.devices import as_device, require_present
 
+    if args.model or args.gguf:
+        return _verify_checkpoint(args)
+    given = [flag for flag, value in (("--text", args.text), ("--mode", args.mode), ("--sample", args.sample),
+                                      ("--fused-cross-entropy", args.fused_cross_entropy),
+                                      ("--trust-remote-code", args.trust_remote_code)) if value]
+    if given:
+        raise InvalidArgument(f"{', '.join(given)} apply to a checkpoint only: add --model PATH or --gguf FILE")
     ps = load_patchset(args.patchset)
     device = as_device(args.device or "cpu")
     require_present(device)  # before building anything: --device cuda on a CPU machine is a usage error
@@ -124,6 +131,24 @@ def _cmd_verify(args: argparse.Namespace) -> int:
               f"({type(model).__name__}, {applied.device})")
         print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
     return EXIT_OK if report.passed else EXIT_FAILED
+
+
+def _verify_checkpoint(args: argparse.Namespace) -> int:
+    """``verify PATCHSET --model PATH | --gguf FILE``: the user's checkpoint, on real tokens (engine.checkpoint)."""
+    from engine.checkpoint import verify_checkpoint_files
+
+    if args.model and args.gguf:
+        raise InvalidArgument("give --model PATH or --gguf FILE, not both")
+    if args.model_type:
+        raise InvalidArgument("--model-type builds a tiny model; a checkpoint's model type is its config's")
+    done = verify_checkpoint_files(
+        args.patchset, model=args.model, gguf=args.gguf, text=args.text, max_tokens=args.max_tokens,
+        dtype=args.dtype, mode=args.mode or "inference", device=args.device,
+        fused_cross_entropy=True if args.fused_cross_entropy else None, trust_remote_code=args.trust_remote_code,
+        modules="sample" if args.sample else "all",
+    )
+    print(json.dumps(done.to_dict(), indent=2) if args.json else done.text(detail=args.detail))
+    return EXIT_OK if done.passed else EXIT_FAILED
 
 
 def _cmd_scaffold(args: argparse.Namespace) -> int:
@@ -218,8 +243,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--mode", choices=("training", "inference"), default="training")
             p.add_argument("--detail", action="store_true", help="one row per module")
         else:
-            p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the tiny model")
+            p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the model")
             p.add_argument("--detail", action="store_true", help="also one row per check")
+            _checkpoint_arguments(p)
         p.set_defaults(func=func)
 
     p = sub.add_parser("scaffold", help="measure every op's declarations on a tiny model of a type; print a patchset")
@@ -252,6 +278,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of engine.bench")
     p.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """verify's options for a user's checkpoint instead of a tiny model (docs/verification.md)."""
+    p.add_argument("--model", metavar="PATH", help="verify on this checkpoint: a from_pretrained folder")
+    p.add_argument("--gguf", metavar="FILE", help="verify on this checkpoint: a .gguf file (needs the gguf package)")
+    p.add_argument("--text", metavar="FILE", help="text to run (default: a bundled English text)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens of the text to use (default: 512)")
+    p.add_argument("--mode", choices=("training", "inference"), help="how the model runs (default: inference)")
+    p.add_argument("--fused-cross-entropy", action="store_true", help="also fuse the LM head and loss")
+    p.add_argument("--sample", action="store_true",
+                   help="check the first, middle and last module of each patched class (big models)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the checkpoint")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

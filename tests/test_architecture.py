@@ -66,9 +66,9 @@ LAYERS: tuple[Layer, ...] = (
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
     Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench", "engine.cli",
                     "engine.__main__", "engine.scaffolding", "engine.scaffolding_yaml", "engine.scaffold_capture",
-                    "engine.scaffold_source", "engine.coverage", "engine.results_sections"), False,
+                    "engine.scaffold_source", "engine.coverage", "engine.results_sections", "engine.checkpoint"), False,
           "Trainer callback, demo, benchmarks (and their shared results file), scaffold (its capture, its model from a "
-          "checkpoint folder), coverage, the command line"),
+          "checkpoint folder), coverage, the command line, verification on a user's checkpoint"),
 )
 
 

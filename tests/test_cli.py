@@ -65,3 +65,51 @@ def test_python_dash_m_engine_and_demo_run() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "numbers match" in proc.stdout
     assert "logits max |diff|: 0.000e+00" in proc.stdout
+
+
+# `verify PATCHSET --model PATH | --gguf FILE`: what a user typed is checked before anything loads
+# (tests/test_real_checkpoints.py runs it on two real checkpoints).
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gguf", "no/such/model.gguf"], "--gguf no/such/model.gguf: no such file"),
+        (["--model", "no/such/folder"], "--model no/such/folder: no such folder"),
+        (["--model", "{tmp}"], "no config.json in this folder"),
+        (["--model", "{tmp}", "--gguf", "{tmp}/x.gguf"], "give --model PATH or --gguf FILE, not both"),
+        (["--model", "{tmp}", "--model-type", "llama"], "--model-type builds a tiny model"),
+        (["--model", "{tmp}", "--text", "no/such.txt"], "--text no/such.txt: no such file"),
+        (["--model", "{tmp}", "--max-tokens", "1"], "--max-tokens 1: verification needs at least 2 tokens"),
+        (["--text", "no/such.txt"], "--text apply to a checkpoint only: add --model PATH or --gguf FILE"),
+        (["--mode", "training"], "--mode apply to a checkpoint only"),
+    ],
+    ids=["gguf-missing", "folder-missing", "not-a-checkpoint", "both", "model-type", "text-missing", "max-tokens",
+         "text-without-checkpoint", "mode-without-checkpoint"],
+)
+def test_verify_checkpoint_usage_errors_exit_2(argv: list[str], message: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["verify", "llama", *argv]) == 2
+    assert message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
+
+
+def test_verify_gguf_without_the_gguf_package_names_the_extra(tmp_path: Path) -> None:
+    """A fresh process in which `import gguf` fails, as where the package is not installed."""
+    blocker = (
+        "import sys\n"
+        "class _NoGguf:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'gguf':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, _NoGguf())\n"
+        "from engine.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    proc = subprocess.run([sys.executable, "-c", blocker, "verify", "llama", "--gguf", str(model)],
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert "loading model.gguf needs the gguf package, which is not installed; " in proc.stderr
+    assert 'pip install "patch-engine[gguf]"' in proc.stderr

@@ -83,6 +83,15 @@ def test_llama_cast_order_declared_on_an_olmo2_norm_shows_in_bf16() -> None:
     assert "max abs err fp32 0, bf16 " in str(err)
 
 
+def test_interleaved_rope_declared_on_a_half_layout_function(qwen3: torch.nn.Module) -> None:
+    """A function patch is judged against its alternatives too: the error says which layout fits."""
+    ps = _patchset("qwen3", {"op": "rope", "function": "apply_rotary_pos_emb", "layout": "interleaved"})
+    err = _fails(qwen3, ps)
+    assert re.search(r"qwen3\.modeling_qwen3\.apply_rotary_pos_emb \(function\): kernel failed \(max abs err fp32 "
+                     r"\S+, bf16 \S+\): declared layout: interleaved(, [^;]*)? does not compute what "
+                     r"apply_rotary_pos_emb computes; layout: half fits", str(err)), str(err)
+
+
 def test_silu_declared_on_a_sigmoid_gated_norm() -> None:
     """KimiLinearRMSNormGated gates with sigmoid. The op's plan-time check may already refuse a
     silu declaration (the module names its activation in an attribute); verification must

@@ -203,8 +203,11 @@ def require_norm_attributes(module: nn.Module, eps_attr: str, weight_attr: str) 
     eps = getattr(module, eps_attr, None)
     if not isinstance(eps, (float, int)) or isinstance(eps, bool):
         numeric = ", ".join(k for k, v in vars(module).items() if isinstance(v, float) and not k.startswith("_"))
+        eps_like = norm_parameter_names(module)[1]
+        fits = f"; eps_attr: {eps_like[0]} fits" if len(eps_like) == 1 else ""
         raise SignatureMismatch(
             f"{cls} has no numeric attribute {eps_attr!r} (eps_attr); numeric attributes it has: {numeric or 'none'}"
+            f"{fits}"
         )
     weight = getattr(module, weight_attr, None)
     if not isinstance(weight, torch.Tensor):

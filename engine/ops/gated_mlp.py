@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import SignatureMismatch
@@ -25,6 +27,14 @@ __all__ = ["ACTIVATION_PROBE", "bind_gated_mlp", "check_gated_mlp", "projection_
 
 #: Inputs on which a target's activation module is compared with the op's activation.
 ACTIVATION_PROBE = torch.linspace(-6, 6, 97)
+
+#: The gated-MLP declarations an activation module may fit, as a refusal names them: when the
+#: declared activation is not the target's, the one of these that is (bit for bit) is the fix.
+ACTIVATION_DECLARATIONS: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...] = (
+    ("op: swiglu", F.silu),
+    ("op: geglu, approximate: tanh", partial(F.gelu, approximate="tanh")),
+    ("op: geglu, approximate: none", F.gelu),
+)
 
 
 def _projection_names(patch: GatedMlpPatch) -> tuple[str, ...]:
@@ -58,19 +68,25 @@ def check_gated_mlp(
                 f"{cls}.{patch.gate_up_proj} has {width} outputs, which cannot split into gate and up"
             )
     act = getattr(module, patch.act_attr, None)
-    exact = False
-    if callable(act):
-        with torch.no_grad():
-            try:
-                exact = torch.equal(act(ACTIVATION_PROBE), activation(ACTIVATION_PROBE))
-            except Exception:  # an activation that cannot run on a probe is not the one we compute
-                exact = False
-    if not exact:
+    if not _computes(act, activation):
         found = type(act).__name__ if act is not None else f"missing (no attribute {patch.act_attr!r})"
+        fits = [label for label, candidate in ACTIVATION_DECLARATIONS if _computes(act, candidate)]
+        hint = f"{fits[0]} fits" if fits else "check the config's hidden_act, and act_attr"
         raise SignatureMismatch(
             f"{cls}.{patch.act_attr} is {found}, which does not compute {activation_name} exactly; "
-            f"{op_name} replaces {activation_name}-gated MLPs only (check the config's hidden_act, and act_attr)"
+            f"{op_name} replaces {activation_name}-gated MLPs only ({hint})"
         )
+
+
+def _computes(act: Any, activation: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``act`` is ``activation`` bit for bit on :data:`ACTIVATION_PROBE`."""
+    if not callable(act):
+        return False
+    with torch.no_grad():
+        try:
+            return torch.equal(act(ACTIVATION_PROBE), activation(ACTIVATION_PROBE))
+        except Exception:  # an activation that cannot run on a probe is not the one we compute
+            return False
 
 
 def bind_gated_mlp(patch: GatedMlpPatch, impl: Callable[..., Any]) -> Callable[..., Any]:
