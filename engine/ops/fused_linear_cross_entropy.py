@@ -39,6 +39,7 @@ from engine.ops.base import ModuleOp, describe_signature, forward_parameters, re
 from engine.ops.causal_lm_head import HeadContract, head_weight, read_head_contract
 from engine.ops.flce_torch import chunked_linear_cross_entropy, linear_cross_entropy_reference
 from engine.ops.tied_gradient import deposit, tied_embedding_gradient
+from engine.ops.trl_head import check_not_replaced, refuse_trl_bypass, refuse_trl_caller
 from engine.schema import FusedLinearCrossEntropyPatch
 
 __all__ = ["FusedLinearCrossEntropyOp", "chunked_linear_cross_entropy", "linear_cross_entropy_reference"]
@@ -85,6 +86,7 @@ class FusedLinearCrossEntropyOp(ModuleOp):
                 "`labels`; it replaces the head + loss of the *ForCausalLM / *ForConditionalGeneration model"
             )
         read_head_contract(type(module), patch.lm_head)
+        check_not_replaced(module)  # TRL's trainer replaced the forward: the fused head would never run
         backbone = _backbone_name(module, patch)
         if not isinstance(getattr(module, backbone, None), nn.Module):
             raise SignatureMismatch(
@@ -100,6 +102,10 @@ class FusedLinearCrossEntropyOp(ModuleOp):
                 f"{cls}.loss_function is {getattr(loss_fn, '__name__', loss_fn)!r}, not ForCausalLMLoss; "
                 "fused_linear_cross_entropy computes the causal-LM cross-entropy only"
             )
+
+    def pre_hooks(self, module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> list[tuple[str, Callable[..., Any]]]:
+        """A guard on the backbone: a trainer calling it around the patched forward (TRL's head) is refused."""
+        return [(_backbone_name(module, patch), refuse_trl_bypass)]
 
     def kernel_settings(self, module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> Any:
         """The patch plus the head contract read from the forward (a provider may not do Granite's division)."""
@@ -149,6 +155,7 @@ def _fused_forward(
     patch: FusedLinearCrossEntropyPatch, contract: HeadContract, impl: Callable[..., Any],
 ) -> Any:
     """The original forward without its logits, and the loss from the fused kernel."""
+    refuse_trl_caller(model)  # a TRL trainer reads the logits this returns as None: refuse before computing
     arguments.pop("self", None)
     extra: dict[str, Any] = dict(arguments.pop(varkw, {}) if varkw else {})
     config = getattr(model, "config", None)
