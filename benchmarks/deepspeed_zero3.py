@@ -107,10 +107,12 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     warm = step()
     external = sorted(getattr(model, "_external_params", {}).keys())
     head_external = id(model.lm_head.weight) in external
+    embedding_external = not tied and id(model.get_input_embeddings().weight) in external
     peak, at_backbone, seconds = peak_rise(step)
     row = {"variant": variant, "tied": tied, "seq": seq, "rank": rank, "peak_mib": round(peak, 1),
            "mib_when_backbone_starts": round(at_backbone, 1),
-           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external}
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external,
+           "untied_embedding_registered_on_root": embedding_external}
     if variant != "unpatched":
         engine.revert(model)
     ds_engine.destroy()

@@ -40,6 +40,7 @@ from engine.ops.causal_lm_head import HeadContract, head_weight, read_head_contr
 from engine.ops.flce_torch import chunked_linear_cross_entropy, linear_cross_entropy_reference
 from engine.ops.tied_gradient import deposit, tied_embedding_gradient
 from engine.ops.trl_head import check_not_replaced, refuse_trl_bypass, refuse_trl_caller
+from engine.ops.zero3 import peek
 from engine.schema import FusedLinearCrossEntropyPatch
 
 __all__ = ["FusedLinearCrossEntropyOp", "chunked_linear_cross_entropy", "linear_cross_entropy_reference"]
@@ -164,11 +165,12 @@ def _fused_forward(
         return_dict = getattr(config, "return_dict", True)
     labels = arguments["labels"]
     call = {**arguments, **extra, "labels": None, "return_dict": True}
-    head_device = model.get_submodule(patch.lm_head).weight.device
+    head = model.get_submodule(patch.lm_head)
+    raw_weight = peek(head, "weight")  # not gathered by ZeRO-3 before the backbone runs
+    head_device = raw_weight.device
     call["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=head_device)  # no logits computed at all
     captured: list[Any] = []
     handle = model.get_submodule(backbone).register_forward_hook(lambda m, i, o: captured.append(o))
-    raw_weight = getattr(model.get_submodule(patch.lm_head), "weight", None)
     try:  # a tied input embedding adds its gradient into the head's: one [V, H] buffer, not two
         with tied_embedding_gradient(model, raw_weight) as mailbox:
             out = original(model, **call)
@@ -182,7 +184,8 @@ def _fused_forward(
     shift_labels = extra.get("shift_labels")
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    weight = head_weight(model.get_submodule(patch.lm_head), f"{type(model).__name__}.{patch.lm_head}")
+    # Read here, ZeRO-3 gathers the partitioned head and registers it with the root model (see engine.ops.zero3)
+    weight = head_weight(head, f"{type(model).__name__}.{patch.lm_head}")
     if mailbox is not None and mailbox.lookups and weight is raw_weight:
         weight = deposit(weight, mailbox)
     loss = impl(
