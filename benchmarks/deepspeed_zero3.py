@@ -168,9 +168,13 @@ def main() -> None:
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "vocab_size": 1024, "num_hidden_layers": 2} if args.smoke else {}
     tieds = {"untied": [False], "tied": [True], "both": [False, True]}[args.tied]
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(out, args.seq, tieds, args.variants, sizes), nprocs=WORLD, join=True)
-        rows = [row for rank in range(WORLD) for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
+    rows = []
+    for tied in tieds:  # one process group per variant: freed memory of one does not stay in the next's
+        for variant in args.variants:
+            with tempfile.TemporaryDirectory() as out:
+                mp.spawn(worker, args=(out, args.seq, [tied], [variant], sizes), nprocs=WORLD, join=True)
+                rows += [row for rank in range(WORLD) for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
+            print(rows[-2:], flush=True)
     rows.sort(key=lambda r: (r["tied"], VARIANTS.index(r["variant"]), r["rank"]))
     command = "DS_ACCELERATOR=cpu flock /tmp/heavy.lock python " + " ".join(sys.argv)
     import deepspeed
