@@ -32,6 +32,7 @@ from engine.errors import (
     PatchsetError,
     SignatureMismatch,
     TargetNotFound,
+    TrainerConflict,
     VerificationFailed,
     VersionMismatch,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "Report",
     "SignatureMismatch",
     "TargetNotFound",
+    "TrainerConflict",
     "VerificationFailed",
     "VerifyReport",
     "VersionMismatch",

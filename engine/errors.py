@@ -24,6 +24,7 @@ __all__ = [
     "PatchsetError",
     "SignatureMismatch",
     "TargetNotFound",
+    "TrainerConflict",
     "VerificationFailed",
     "VersionMismatch",
 ]
@@ -102,6 +103,14 @@ class BackwardUnsupported(PatchError, RuntimeError):
     """A kernel without a backward was asked to compute gradients (a model patched for inference, now training).
 
     Raised by the patched forward itself, before the kernel runs, so no wrong gradient is ever produced.
+    """
+
+
+class TrainerConflict(PatchError, ValueError):
+    """A trainer does its own thing where a patch would run: TRL computes the head itself, or reads the logits.
+
+    A ``ValueError``, as TRL's own refusals of settings it cannot honour are; the message says
+    what the trainer does instead and what to set.
     """
 
 

@@ -64,6 +64,22 @@ class _RouterRecord:
         routing.release(self.namespace, self.function)
 
 
+@dataclass
+class _HookRecord:
+    """One forward pre-hook an op put on a submodule (see ``ModuleOp.pre_hooks``); undo removes exactly it."""
+
+    module: nn.Module
+    hook: Callable[..., Any]
+
+    def undo(self) -> None:
+        hooks = self.module._forward_pre_hooks
+        for key in [k for k, h in hooks.items() if h is self.hook]:
+            del hooks[key]
+
+    def redo(self) -> None:
+        self.module.register_forward_pre_hook(self.hook)
+
+
 def _release_routers(keys: list[tuple[str, str]]) -> None:
     for namespace, function in keys:
         routing.release(namespace, function)
@@ -252,6 +268,9 @@ def _repatch(model: nn.Module, old: AppliedState, the_plan: Plan) -> Report:
         except BaseException:
             for namespace, function in held:  # the old state's own uses, released by revert
                 routing.acquire(namespace, function)
+            for rec in old.records:
+                if isinstance(rec, _HookRecord):
+                    rec.redo()
             for module, forward in installed:
                 if forward is MISSING:
                     module.__dict__.pop("forward", None)
@@ -343,6 +362,8 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
             binding = Binding(decision.path, decision.op, decision.patch, provider.name)
             forward = build_forward(module, binding, impl, provider)
             steps.append(_set_forward_step(module, PatchedForward(forward, module, binding)))
+            for sub, hook in op.pre_hooks(module, decision.patch):
+                steps.append(_hook_step(module.get_submodule(sub), hook))
         else:
             site = decision.site
             assert site is not None
@@ -356,6 +377,14 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
 def _set_forward_step(module: nn.Module, forward: PatchedForward) -> Callable[[list[Any]], None]:
     def step(records: list[Any]) -> None:
         records.append(install(module, bottom_slot(module), forward))
+
+    return step
+
+
+def _hook_step(module: nn.Module, hook: Callable[..., Any]) -> Callable[[list[Any]], None]:
+    def step(records: list[Any]) -> None:
+        module.register_forward_pre_hook(hook)
+        records.append(_HookRecord(module, hook))
 
     return step
 

@@ -2,14 +2,15 @@
 
 Why: ``torch.compile(model)`` returns an ``OptimizedModule`` around the model, peft's
 ``get_peft_model`` a ``PeftModel``, DDP and FSDP (v1) a ``DistributedDataParallel`` /
-``FullyShardedDataParallel`` module. If the engine stored its patch state on a wrapper,
+``FullyShardedDataParallel`` module, ``deepspeed.initialize`` a ``DeepSpeedEngine`` (its
+``module``). If the engine stored its patch state on a wrapper,
 the same model could be patched twice (once through the wrapper, once directly: two
 reverts then still left forwards patched), ``is_patched(inner)`` would say no, and
 ``engine.revert(peft.get_base_model())`` would find nothing to revert. So every public
 entry point (plan, apply, revert, is_patched, verify) goes through :func:`unwrap` first,
 and the state always lives on the transformers model, whichever order the user wraps and
-patches in. FSDP2's ``fully_shard`` and accelerate's hooks change the model in place and
-need no unwrapping.
+patches in. FSDP2's ``fully_shard``, accelerate's hooks and ZeRO-3's parameter hooks change the model in
+place and need no unwrapping.
 
 peft is detected by duck type (a ``get_base_model()`` method returning another module), so
 it is never imported here; the torch wrappers by their classes, imported lazily.
@@ -43,6 +44,7 @@ def _inner(model: nn.Module) -> nn.Module | None:
         _is_instance(model, "torch.nn.parallel", "DistributedDataParallel")
         or _is_instance(model, "torch.nn.parallel", "DataParallel")
         or _is_instance(model, "torch.distributed.fsdp", "FullyShardedDataParallel")
+        or _is_instance(model, "deepspeed.runtime.engine", "DeepSpeedEngine")
     ):
         inner = model._modules.get("module")
         return inner if isinstance(inner, nn.Module) else None

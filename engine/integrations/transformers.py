@@ -20,6 +20,10 @@ must change; a model patched with another patchset is refused (``AlreadyPatched`
 (kernels need a backward), on the device ``TrainingArguments`` trains on, whatever mode
 the model happens to be in when the trainer is built (``from_pretrained`` returns it in
 eval mode).
+
+Under a TRL trainer (``SFTTrainer`` and the others, whose ``args`` is TRL's config), the fused
+head is refused at ``on_init_end``, before anything is patched: TRL computes the head itself or
+reads the logits (see :mod:`engine.ops.trl_head`); the other patches apply as usual.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback
 
-from engine.api import apply, is_patched, revert
+from engine.api import apply, is_patched, plan, revert
+from engine.errors import TrainerConflict
+from engine.ops.trl_head import trl_trainer_conflict
 from engine.report import Report
 from engine.schema import Patchset
+from engine.wrappers import unwrap
 
 __all__ = ["PatchsetCallback", "patch_for_training"]
 
@@ -77,8 +84,19 @@ class PatchsetCallback(TrainerCallback):
         if model is None:
             return
         device = getattr(getattr(args, "device", None), "type", None)
+        self._refuse_fused_head_under_trl(args, model, device)
         self.report = apply(model, self.patchset, device=device, mode="training", verify=self.verify,
                             fused_cross_entropy=self.fused_cross_entropy)
+
+    def _refuse_fused_head_under_trl(self, args: Any, model: nn.Module, device: str | None) -> None:
+        """Refuse, before patching anything, a fused head under a TRL trainer (see :mod:`engine.ops.trl_head`)."""
+        inner = unwrap(model)
+        problem = trl_trainer_conflict(args, inner)
+        if problem is None:
+            return
+        the_plan = plan(inner, self.patchset, device=device, mode="training", fused_cross_entropy=self.fused_cross_entropy)
+        if any(d.op == "fused_linear_cross_entropy" for d in the_plan.patched):
+            raise TrainerConflict(f"PatchsetCallback({the_plan.patchset.name!r}, fused_cross_entropy=...): {problem}")
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         self._apply(args, model)

@@ -91,6 +91,15 @@ class ModuleOp(Op):
         """A plain function ``forward(self, ...)`` to be bound to ``module`` with MethodType."""
         raise NotImplementedError
 
+    def pre_hooks(self, module: nn.Module, patch: Any) -> list[tuple[str, Callable[..., Any]]]:
+        """Forward pre-hooks to put on submodules of ``module`` (path relative to it, hook), default none.
+
+        Why: an op may need to notice a caller that goes around its forward (TRL's own LM head
+        calls the backbone of a fused-head model directly). The patcher installs them with the
+        forward, and revert removes them; a hook must be picklable (a module-level function).
+        """
+        return []
+
     def ground_truth(self, module: nn.Module) -> Callable[..., Any]:
         """The forward ``self`` is verified against: the class's own, unless the op says which of its paths.
 

@@ -39,6 +39,8 @@ from engine.ops.base import ModuleOp, describe_signature, forward_parameters, re
 from engine.ops.causal_lm_head import HeadContract, head_weight, read_head_contract
 from engine.ops.flce_torch import chunked_linear_cross_entropy, linear_cross_entropy_reference
 from engine.ops.tied_gradient import deposit, tied_embedding_gradient
+from engine.ops.trl_head import check_not_replaced, refuse_trl_bypass, refuse_trl_caller
+from engine.ops.zero3 import peek
 from engine.schema import FusedLinearCrossEntropyPatch
 
 __all__ = ["FusedLinearCrossEntropyOp", "chunked_linear_cross_entropy", "linear_cross_entropy_reference"]
@@ -85,6 +87,7 @@ class FusedLinearCrossEntropyOp(ModuleOp):
                 "`labels`; it replaces the head + loss of the *ForCausalLM / *ForConditionalGeneration model"
             )
         read_head_contract(type(module), patch.lm_head)
+        check_not_replaced(module)  # TRL's trainer replaced the forward: the fused head would never run
         backbone = _backbone_name(module, patch)
         if not isinstance(getattr(module, backbone, None), nn.Module):
             raise SignatureMismatch(
@@ -100,6 +103,10 @@ class FusedLinearCrossEntropyOp(ModuleOp):
                 f"{cls}.loss_function is {getattr(loss_fn, '__name__', loss_fn)!r}, not ForCausalLMLoss; "
                 "fused_linear_cross_entropy computes the causal-LM cross-entropy only"
             )
+
+    def pre_hooks(self, module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> list[tuple[str, Callable[..., Any]]]:
+        """A guard on the backbone: a trainer calling it around the patched forward (TRL's head) is refused."""
+        return [(_backbone_name(module, patch), refuse_trl_bypass)]
 
     def kernel_settings(self, module: nn.Module, patch: FusedLinearCrossEntropyPatch) -> Any:
         """The patch plus the head contract read from the forward (a provider may not do Granite's division)."""
@@ -149,6 +156,7 @@ def _fused_forward(
     patch: FusedLinearCrossEntropyPatch, contract: HeadContract, impl: Callable[..., Any],
 ) -> Any:
     """The original forward without its logits, and the loss from the fused kernel."""
+    refuse_trl_caller(model)  # a TRL trainer reads the logits this returns as None: refuse before computing
     arguments.pop("self", None)
     extra: dict[str, Any] = dict(arguments.pop(varkw, {}) if varkw else {})
     config = getattr(model, "config", None)
@@ -157,11 +165,12 @@ def _fused_forward(
         return_dict = getattr(config, "return_dict", True)
     labels = arguments["labels"]
     call = {**arguments, **extra, "labels": None, "return_dict": True}
-    head_device = model.get_submodule(patch.lm_head).weight.device
+    head = model.get_submodule(patch.lm_head)
+    raw_weight = peek(head, "weight")  # not gathered by ZeRO-3 before the backbone runs
+    head_device = raw_weight.device
     call["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=head_device)  # no logits computed at all
     captured: list[Any] = []
     handle = model.get_submodule(backbone).register_forward_hook(lambda m, i, o: captured.append(o))
-    raw_weight = getattr(model.get_submodule(patch.lm_head), "weight", None)
     try:  # a tied input embedding adds its gradient into the head's: one [V, H] buffer, not two
         with tied_embedding_gradient(model, raw_weight) as mailbox:
             out = original(model, **call)
@@ -175,7 +184,8 @@ def _fused_forward(
     shift_labels = extra.get("shift_labels")
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    weight = head_weight(model.get_submodule(patch.lm_head), f"{type(model).__name__}.{patch.lm_head}")
+    # Read here, ZeRO-3 gathers the partitioned head and registers it with the root model (see engine.ops.zero3)
+    weight = head_weight(head, f"{type(model).__name__}.{patch.lm_head}")
     if mailbox is not None and mailbox.lookups and weight is raw_weight:
         weight = deposit(weight, mailbox)
     loss = impl(

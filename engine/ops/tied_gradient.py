@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from engine.ops.zero3 import peek
+
 __all__ = ["Mailbox", "deposit", "tied_embedding_gradient"]
 
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
@@ -134,7 +136,7 @@ class _RouteTiedLookups(TorchFunctionMode):
 def _eligible(embedding: Any, head_weight: Any) -> bool:
     return (
         isinstance(embedding, nn.Embedding)
-        and embedding.weight is head_weight
+        and peek(embedding, "weight") is head_weight  # not gathered by ZeRO-3 just to compare
         and _plain_parameter(head_weight)
         and head_weight.requires_grad
         and head_weight.device.type != "meta"
