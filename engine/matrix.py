@@ -136,13 +136,15 @@ def render_section(results: list[dict], requires: dict[str, str | None]) -> str:
         BEGIN,
         "## Transformers releases: the verified matrix",
         "",
-        "Each bundled patchset verified (`patch-engine verify NAME`: the family's tiny model, patched, "
-        "compared with the original in fp32) under each release, with its `requires` set aside so the "
-        "table says what is true, not what is claimed. *verified*: every patched module and the whole "
-        "model match; *refused*: planning or building refused, with the reason (nothing was patched); "
-        "*absent*: the release has no such model type. A patchset's `requires` holds only releases where "
-        "it verifies; CI fails otherwise (`.ci/matrix`). How patches follow the modeling code across "
-        "releases: [versions.md](versions.md).",
+        (
+            "Each bundled patchset verified (`patch-engine verify NAME`: the family's tiny model, patched, "
+            "compared with the original in fp32) under each release, with its `requires` set aside so the "
+            "table says what is true, not what is claimed. *verified*: every patched module and the whole "
+            "model match; *refused*: planning or building refused, with the reason (nothing was patched); "
+            "*absent*: the release has no such model type. A patchset's `requires` holds only releases where "
+            "it verifies; CI fails otherwise (`.ci/matrix`). How patches follow the modeling code across "
+            "releases: [versions.md](versions.md)."
+        ),
         "",
         *head,
         "",
