@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["LIGER_MODEL_TYPES", "CoverageRow", "coverage_rows", "parameter_share", "render_markdown"]
+from engine.schema import Patchset
+
+__all__ = [
+    "LIGER_MODEL_TYPES", "CoverageRow", "coverage_rows", "parameter_share", "render_markdown", "tiny_model_type",
+    "verify_patchset",
+]
 
 #: The keys of Liger-Kernel 0.8.5's ``MODEL_TYPE_TO_APPLY_LIGER_FN`` (liger_kernel/transformers/
 #: monkey_patch.py): the peer's list, for the headline of the coverage table.
@@ -95,18 +100,25 @@ def _default_model(model_type: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(cfg)
 
 
-def _tiny_model(patchset: str) -> nn.Module:
+def tiny_model_type(patchset: Patchset) -> str:
+    """The model type of the patchset's tiny model: ``tiny_model.model_type``, else its first model type."""
+    tiny = patchset.tiny_model
+    return (tiny.model_type if tiny and tiny.model_type else None) or patchset.model_types[0]
+
+
+def _tiny_model(patchset: str | Patchset) -> nn.Module:
     from engine.loader import load_patchset
     from engine.tiny import build_tiny_model
 
-    ps = load_patchset(patchset)
-    tiny = ps.tiny_model
-    model_type = (tiny.model_type if tiny and tiny.model_type else None) or ps.model_types[0]
-    return build_tiny_model(model_type, tiny.config if tiny else {})
+    ps = patchset if isinstance(patchset, Patchset) else load_patchset(patchset)
+    return build_tiny_model(tiny_model_type(ps), ps.tiny_model.config if ps.tiny_model else {})
 
 
-def _verify(patchset: str) -> tuple[bool, str]:
-    """What ``patch-engine verify NAME`` says: the tiny model of the family, patched, verified."""
+def verify_patchset(patchset: str | Patchset) -> tuple[bool, str]:
+    """What ``patch-engine verify NAME`` says: the tiny model of the family, patched, verified.
+
+    Raises whatever building the tiny model or planning raises (the callers make it a row).
+    """
     from engine.kernels import compiled
     from engine.patcher import apply, revert
     from engine.verification.runner import verify
@@ -126,12 +138,24 @@ def _verify(patchset: str) -> tuple[bool, str]:
     return report.passed, ("" if report.passed else "fails: " + ", ".join(failing))
 
 
-def coverage_rows(model_types: Iterable[str] | None = None, *, verify: bool = True) -> list[CoverageRow]:
-    """One row per model type (default: every model type the installed transformers defines)."""
+def _reason(exc: Exception, limit: int = 200) -> str:
+    """An exception as one short line for a table cell."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def coverage_rows(
+    model_types: Iterable[str] | None = None, *, verify: bool = True, patchsets: dict[str, list[str]] | None = None
+) -> list[CoverageRow]:
+    """One row per model type (default: every model type the installed transformers defines).
+
+    ``patchsets`` maps a model type to its patchsets (names or paths; default: the bundled ones).
+    A patchset that fails to build, plan or verify is a row saying why; the sweep goes on.
+    """
     # the types transformers itself defines: a package that registers its own (fla, at import) adds none
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    by_type = _bundled_by_type()
+    by_type = _bundled_by_type() if patchsets is None else patchsets
     verified: dict[str, tuple[bool, str]] = {}
     rows = []
     for model_type in sorted(model_types or CONFIG_MAPPING_NAMES):
@@ -143,17 +167,34 @@ def coverage_rows(model_types: Iterable[str] | None = None, *, verify: bool = Tr
         if verify:
             if primary not in verified:
                 try:
-                    verified[primary] = _verify(primary)
+                    verified[primary] = verify_patchset(primary)
                 except Exception as exc:  # noqa: BLE001  (a row says what went wrong; the sweep goes on)
-                    verified[primary] = (False, f"{type(exc).__name__}: {exc}"[:160])
+                    verified[primary] = (False, _reason(exc))
             row.verified, row.note = verified[primary]
-        try:
-            row.share, row.patched = parameter_share(_default_model(model_type), primary)
-        except Exception as exc:  # noqa: BLE001  (a default config that does not build: the tiny model's share)
-            row.share, row.patched = parameter_share(_tiny_model(primary), primary)
-            why = f"the default config does not build ({type(exc).__name__})"
-            row.note = (row.note + "; " if row.note else "") + f"share on the tiny model: {why}"
+        _measure_share(row, model_type, primary)
     return rows
+
+
+def _measure_share(row: CoverageRow, model_type: str, primary: str) -> None:
+    """The row's share on the default config, else on the tiny model, else none: with the reason in the note.
+
+    Why never raise: a patchset that fails to plan (its target renamed in this transformers) is a
+    row that says so; one such row once stopped the whole table (dots1 under transformers 5.6).
+    """
+    def add(note: str) -> None:
+        if note not in row.note:
+            row.note = (row.note + "; " if row.note else "") + note
+
+    try:
+        row.share, row.patched = parameter_share(_default_model(model_type), primary)
+        return
+    except Exception as exc:  # noqa: BLE001  (a default config that does not build: the tiny model's share)
+        default_error = exc
+    try:
+        row.share, row.patched = parameter_share(_tiny_model(primary), primary)
+        add(f"share on the tiny model: the default config does not build ({type(default_error).__name__})")
+    except Exception as exc:  # noqa: BLE001  (it does not plan or build here: no share, and why)
+        add(f"no share: {_reason(exc)}")
 
 
 def _percent(share: float | None) -> str:

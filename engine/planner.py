@@ -26,9 +26,9 @@ from engine.errors import (
     MissingDependency,
     ModelTypeMismatch,
     PatchError,
+    PatchsetError,
     SignatureMismatch,
     TargetNotFound,
-    VersionMismatch,
 )
 from engine.kernel_choice import resolve_kernel
 from engine.kernels.registry import KernelProvider
@@ -142,8 +142,15 @@ def plan(
     run_mode: Mode = check_mode(mode) or ("training" if model.training else "inference")
     model_type = _check_model_type(model, patchset)
     _check_versions(patchset)
+    from engine.versions import patch_is_active
+
     decisions: list[Decision] = []
+    active = [i for i, p in enumerate(patchset.patches) if patch_is_active(p)]
+    _check_one_per_target(patchset, active)
     for index, patch in enumerate(patchset.patches):
+        if index not in active:
+            decisions.append(_inactive(index, patch))
+            continue
         op = get_op(patch.op)
         try:
             if isinstance(op, ModuleOp):
@@ -240,18 +247,40 @@ def _check_origin(patchset: Patchset, index: int, what: str, module_name: str) -
 
 
 def _check_versions(patchset: Patchset) -> None:
-    spec = patchset.requires.transformers
-    if spec is None:
-        return
-    import transformers
-    from packaging.specifiers import SpecifierSet
+    from engine.versions import check_requires
 
-    installed = transformers.__version__
-    if installed not in SpecifierSet(spec, prereleases=True):
-        raise VersionMismatch(
-            f"patchset {patchset.name!r} requires transformers{spec}; installed is {installed}. "
-            "Install a version in range, or re-verify the patchset and widen `requires`."
-        )
+    check_requires(patchset.name, patchset.requires.transformers)
+
+
+def _inactive(index: int, patch: Any) -> Decision:
+    """The decision for a patch whose ``when`` range leaves out the installed transformers."""
+    from engine.versions import installed_version, when_text
+
+    is_module = isinstance(patch, ModulePatch)
+    return Decision(
+        path="-" if is_module else patch.function, cls=patch.target if is_module else "function", op=patch.op,
+        patch_index=index, action="skip", kernel=None,
+        reason=f"for {when_text(patch.when)} (installed: {installed_version()})", patch=patch,
+    )
+
+
+def _check_one_per_target(patchset: Patchset, active: list[int]) -> None:
+    """Refuse two patches of one target whose ``when`` ranges both hold the installed version."""
+    from engine.loader import patch_location
+    from engine.versions import installed_version, when_text
+
+    seen: dict[str, int] = {}
+    for index in active:
+        patch = patchset.patches[index]
+        key = patch.target if isinstance(patch, ModulePatch) else f"function {patch.function}"
+        if key in seen:
+            first = patchset.patches[seen[key]]
+            raise PatchsetError(
+                f"{patch_location(patchset, index, 'when')}patches[{seen[key]}] and patches[{index}] both target "
+                f"{key} on transformers {installed_version()} ({when_text(first.when) or 'no when'}; "
+                f"{when_text(patch.when) or 'no when'}): make their `when` ranges disjoint"
+            )
+        seen[key] = index
 
 
 def _located(exc: PatchError, patchset: Patchset, index: int) -> PatchError:

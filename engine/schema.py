@@ -31,6 +31,7 @@ from engine.schema_common import (
     Requires,
     Scale,
     StrictModel,
+    When,
     _check_kernel_names,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "RopePatch",
     "Scale",
     "SwigluPatch",
+    "When",
 ]
 
 
@@ -369,9 +371,11 @@ class Patchset(StrictModel):
 
 
 def patch_key(patch: PatchBase) -> str:
-    """What a patch replaces: its target class or its function (unique within a patchset)."""
+    """What a patch replaces: its target class or its function, and its ``when`` range if any
+    (unique within a patchset: one target may have one patch per version range)."""
+    when = f" when transformers{patch.when.transformers}" if patch.when and patch.when.transformers else ""
     if isinstance(patch, ModulePatch):
-        return patch.target
+        return patch.target + when
     if isinstance(patch, FunctionPatch):
-        return f"function:{patch.function}"
+        return f"function:{patch.function}" + when
     raise TypeError(f"not a patch: {patch!r}")

@@ -28,6 +28,7 @@ __all__ = [
     "Requires",
     "Scale",
     "StrictModel",
+    "When",
 ]
 
 
@@ -137,6 +138,18 @@ class Requires(StrictModel):
         return value
 
 
+class When(Requires):
+    """Library versions a single patch is for (PEP 440 ranges); outside them the patch is left out.
+
+    Why per patch: a family's modeling code changes between transformers releases (its experts
+    class, the function its linear attention calls, its rope function's name), so one patchset
+    covers several releases with one patch per shape of the code, each saying which versions
+    have that shape. A patch without ``when`` is for every version in the patchset's ``requires``.
+    """
+
+    transformers: str | None = Field(default=None, description="e.g. '<5.10' or '>=5.10,<6'")
+
+
 class PatchBase(StrictModel):
     """Settings every patch has, whatever its op."""
 
@@ -144,6 +157,13 @@ class PatchBase(StrictModel):
     optional: bool = Field(
         default=False,
         description="Allow the target to match nothing. Off by default: a patch that patches nothing is an error.",
+    )
+    when: When | None = Field(
+        default=None,
+        description=(
+            "Only for these library versions, e.g. {transformers: '<5.10'}: outside them the patch is left out "
+            "(and the plan says so). Two patches may name the same target when their `when` ranges differ."
+        ),
     )
     signature: str | None = Field(
         default=None,

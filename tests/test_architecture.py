@@ -44,8 +44,8 @@ class Layer:
 #: Lowest first. A module may import modules of its own layer and of the layers above it in
 #: this list, never of a layer below it.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundation", ("engine.errors", "engine.drift", "engine.routing", "engine.kernel_names"), True,
-          "error types, signature drift, function routing, the table of kernel names"),
+    Layer("foundation", ("engine.errors", "engine.drift", "engine.routing", "engine.kernel_names", "engine.versions"),
+          True, "error types, signature drift, function routing, the table of kernel names, installed versions"),
     Layer("vocabulary", ("engine.schema", "engine.schema_common"), True,
           "pydantic models of what a patchset may say"),
     Layer("loading", ("engine.loader", "engine.loader.*"), True,
@@ -66,9 +66,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
     Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench", "engine.cli",
                     "engine.__main__", "engine.scaffolding", "engine.scaffolding_yaml", "engine.scaffold_capture",
-                    "engine.scaffold_source", "engine.coverage", "engine.results_sections", "engine.checkpoint"), False,
+                    "engine.scaffold_source", "engine.coverage", "engine.results_sections", "engine.checkpoint",
+                    "engine.matrix"), False,
           "Trainer callback, demo, benchmarks (and their shared results file), scaffold (its capture, its model from a "
-          "checkpoint folder), coverage, the command line, verification on a user's checkpoint"),
+          "checkpoint folder), coverage, the version matrix, the command line, verification on a user's checkpoint"),
 )
 
 

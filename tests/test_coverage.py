@@ -56,3 +56,22 @@ def test_cli_writes_the_table(tmp_path: Path) -> None:
         assert main(["coverage", "llama", "gpt2", "--no-verify", "--out", str(out)]) == 0
     text = out.read_text()
     assert "| llama | llama | - |" in text and "| gpt2 |" in text
+
+
+def test_a_patchset_that_cannot_plan_is_a_row_with_its_reason_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    # transformers renames a class (Dots1Experts was Dots1NaiveMoe before 5.13): the patchset no longer plans.
+    # The table once stopped at such a row; now the row says why and the next type is still measured.
+    broken = tmp_path / "renamed.yaml"
+    broken.write_text(
+        "name: renamed\nmodel_types: [qwen3]\npatches:\n"
+        "  - {target: Qwen3RMSNorm, op: rms_norm, scale: weight}\n"
+        "  - {target: Qwen3Experts, op: moe_experts}\n",
+        encoding="utf-8",
+    )
+    rows = coverage_rows(["qwen3", "llama"], verify=True, patchsets={"qwen3": [str(broken)], "llama": ["llama"]})
+    qwen3, llama = (next(r for r in rows if r.model_type == t) for t in ("qwen3", "llama"))
+    assert qwen3.verified is False and qwen3.share is None
+    assert "TargetNotFound" in qwen3.note and "'Qwen3Experts'" in qwen3.note and "renamed.yaml:5" in qwen3.note
+    assert llama.verified is True and 0 < llama.share < 1 and llama.patched == "rms_norm, rope, swiglu"
+    text = render_markdown(rows)
+    assert "| qwen3 | " + str(broken) + " | **no** | - |" in text and "| llama | llama | yes |" in text

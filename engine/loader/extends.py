@@ -31,15 +31,19 @@ def _default_function(op: Any) -> str | None:
 
 
 def _raw_patch_key(patch: Any) -> str | None:
-    """``patch_key`` of a patch not yet validated: its target, or ``function:`` and its function."""
+    """``patch_key`` of a patch not yet validated: its target, or ``function:`` and its function,
+    then its ``when`` range if it has one (a child's patch replaces the base's for the same range)."""
     if not isinstance(patch, dict):
         return None
+    when = patch.get("when")
+    spec = when.get("transformers") if isinstance(when, dict) else None
+    suffix = f" when transformers{spec}" if isinstance(spec, str) and spec else ""
     target = patch.get("target")
     if isinstance(target, str) and target:
-        return target
+        return target + suffix
     function = patch.get("function", _default_function(patch.get("op")))
     if isinstance(function, str) and function:
-        return f"function:{function}"
+        return f"function:{function}" + suffix
     return None
 
 
@@ -59,6 +63,7 @@ def _duplicate_errors(data: dict, origins: dict[Path_, Origin]) -> list[Patchset
             at = f"patches[{first}]" + (f" (line {first_line})" if first_line else "")
             field = "function" if key.startswith("function:") else "target"
             name = key.split(":", 1)[1] if field == "function" else key
+            name = name.split(" when ", 1)[0]
             path: Path_ = ("patches", index) + ((field,) if field in patch else ())
             problem = f"duplicate {field} {name!r}, already patched by {at}; merge them into one patch"
             errors.append(error_at(problem, path, origins))
