@@ -14,6 +14,7 @@ LlamaFactory pins transformers<=5.6.0, trl<=0.24, peft<=0.18.1, so it lives in i
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import sys
@@ -22,6 +23,12 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import ROOT
+from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+from engine.errors import ModelTypeMismatch, VerificationFailed
+from engine.loader import load_patchset
+from engine.tiny import build_tiny_model
 
 pytest.importorskip(
     "llamafactory",
@@ -30,13 +37,6 @@ pytest.importorskip(
 )
 # The model and tokenizer are local folders; .ci/llamafactory also sets it before Python starts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from conftest import ROOT  # noqa: E402
-from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
-
-from engine.errors import ModelTypeMismatch  # noqa: E402
-from engine.loader import load_patchset  # noqa: E402
-from engine.tiny import build_tiny_model  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "llamafactory"
 CONFIG = EXAMPLE / "qwen3_lora_sft_patched.yaml"
@@ -47,7 +47,7 @@ PATCHED_MODULES = 12
 TOLERANCE = 1e-6
 
 sys.path.insert(0, str(EXAMPLE))
-import train_with_patchset  # noqa: E402
+launcher = importlib.import_module("train_with_patchset")  # examples/llamafactory/train_with_patchset.py
 
 
 class LossRecorder(TrainerCallback):
@@ -111,7 +111,7 @@ def train(
     }
     argv = [str(CONFIG), *(f"{k}={'null' if v is None else v}" for k, v in settings.items())]
     recorder = recorder or LossRecorder()
-    ours = train_with_patchset.main(argv, callbacks=[recorder])
+    ours = launcher.main(argv, callbacks=[recorder])
     gc.collect()  # a patched model holds its function router until collected (conftest explains)
     return recorder.losses, ours
 
@@ -130,13 +130,25 @@ def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 @pytest.mark.slow
 @pytest.mark.parametrize("finetuning_type", ["full", "lora"])
 def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, finetuning_type) -> None:
-    losses, (callback,) = train(tiny, tmp_path, "qwen3", finetuning_type=finetuning_type)
+    losses, (callback,) = train(tiny, tmp_path, "qwen3", finetuning_type=finetuning_type, patchset_verify=True)
     assert len(callback.report.patched) == PATCHED_MODULES, str(callback.report)
+    assert callback.report.verification.passed  # patchset_verify: each module against its original, once
     assert callback.report.mode == "training"
     expected = baseline[finetuning_type]
     assert expected[-1] < expected[0], f"the baseline did not train: {expected}"
     diffs = [abs(a - b) for a, b in zip(losses, expected, strict=True)]
     assert max(diffs) <= TOLERANCE, f"patched {losses} vs unpatched {expected}"
+
+
+def _wrong_norms(folder: Path) -> str:
+    """The bundled qwen3 patchset, written to a file, with its ``weight`` norms declared ``1 + weight``."""
+    wrong = load_patchset("qwen3").model_dump(mode="json", exclude_none=True)
+    for patch in wrong["patches"]:
+        if patch["op"] == "rms_norm":
+            patch["scale"] = "one_plus_weight"
+    path = folder / "qwen3_wrong_norm.yaml"
+    path.write_text(yaml.safe_dump(wrong))
+    return str(path)
 
 
 @pytest.mark.slow
@@ -146,15 +158,18 @@ def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> No
     The same patchset read from a file, with Qwen3's ``weight`` norms declared as ``1 + weight``:
     the losses move away from the baseline from the first step.
     """
-    wrong = load_patchset("qwen3").model_dump(mode="json", exclude_none=True)
-    for patch in wrong["patches"]:
-        if patch["op"] == "rms_norm":
-            patch["scale"] = "one_plus_weight"
-    path = tmp_path / "qwen3_wrong_norm.yaml"
-    path.write_text(yaml.safe_dump(wrong))
-    losses, (callback,) = train(tiny, tmp_path, str(path), finetuning_type="full")
+    losses, (callback,) = train(tiny, tmp_path, _wrong_norms(tmp_path), finetuning_type="full")
     assert len(callback.report.patched) == PATCHED_MODULES
     assert abs(losses[0] - baseline["full"][0]) > 1e-2, f"wrong norms {losses} vs unpatched {baseline['full']}"
+
+
+def test_patchset_verify_stops_a_wrong_declaration_before_step_one(tiny, tmp_path) -> None:
+    """``patchset_verify: true`` catches the same wrong patchset when the trainer is built: no step is taken."""
+    recorder = LossRecorder()
+    with pytest.raises(VerificationFailed, match="Qwen3RMSNorm"):
+        train(tiny, tmp_path, _wrong_norms(tmp_path), recorder, finetuning_type="full", patchset_verify=True)
+    assert recorder.losses == []
+    gc.collect()
 
 
 def test_a_patchset_for_another_family_stops_before_step_one(tiny, tmp_path) -> None:
