@@ -26,7 +26,7 @@ import yaml
 from conftest import ROOT
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
-from engine.errors import ModelTypeMismatch, VerificationFailed
+from engine.errors import ModelTypeMismatch, PatchsetError, VerificationFailed
 from engine.loader import load_patchset
 from engine.tiny import build_tiny_model
 
@@ -179,6 +179,14 @@ def test_a_patchset_for_another_family_stops_before_step_one(tiny, tmp_path) -> 
         train(tiny, tmp_path, "llama", recorder, finetuning_type="full")
     assert recorder.losses == []
     gc.collect()
+
+
+def test_a_misspelt_patchset_stops_before_llamafactory_loads_anything(tmp_path) -> None:
+    recorder = LossRecorder()
+    argv = [str(CONFIG), "patchset=qwen3_typo", f"output_dir={tmp_path}"]
+    with pytest.raises(PatchsetError, match="no patchset 'qwen3_typo'.*bundled patchsets: .*qwen3"):
+        launcher.main(argv, callbacks=[recorder])
+    assert recorder.losses == [] and not any(tmp_path.iterdir())
 
 
 def test_llamafactory_alone_refuses_our_keys(tmp_path) -> None:

@@ -48,14 +48,21 @@ def read_config(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def patchset_callbacks(config: dict[str, Any]) -> list[Any]:
-    """Take our keys out of ``config`` (in place) and return the callbacks they ask for."""
+    """Take our keys out of ``config`` (in place) and return the callbacks they ask for.
+
+    The patchset is loaded here, before LlamaFactory loads a model or a dataset, so that a
+    misspelt name or a schema error stops the run in a second rather than after the load.
+    """
     patchset = config.pop("patchset", None)
-    verify = bool(config.pop("patchset_verify", False))
+    verify = config.pop("patchset_verify", False)
+    if not isinstance(verify, bool):
+        raise SystemExit(f"patchset_verify is true or false, not {verify!r}")
     if patchset is None:
         return []
     from engine.integrations.transformers import PatchsetCallback
+    from engine.loader import load_patchset
 
-    return [PatchsetCallback(patchset, verify=verify)]
+    return [PatchsetCallback(load_patchset(patchset), verify=verify)]
 
 
 def main(argv: Sequence[str] | None = None, callbacks: Sequence[Any] = ()) -> list[Any]:
