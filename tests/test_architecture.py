@@ -64,9 +64,9 @@ LAYERS: tuple[Layer, ...] = (
     Layer("verification", ("engine.verification", "engine.verification.*"), False,
           "patched vs original numbers: probes, comparisons, report"),
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
-    Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench", "engine.cli",
+    Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench", "engine.bench_checkpoint", "engine.cli",
                     "engine.__main__", "engine.scaffolding", "engine.scaffolding_yaml", "engine.coverage", "engine.results_sections"), False,
-          "Trainer callback, demo, benchmarks (and their shared results file), scaffold, coverage, the command line"),
+          "Trainer callback, demo, benchmarks (a real checkpoint too, and their shared results file), scaffold, coverage, the command line"),
 )
 
 
