@@ -17,6 +17,9 @@ Sections:
   tied embeddings as Qwen3-0.6B, seq 1024, fp32), unpatched vs ``qwen3_flce``: time, and peak memory measured in a fresh
   child process per variant as the rise of the peak resident set (VmHWM, reset through
   /proc/self/clear_refs after the model is built) over the resident set before the step.
+
+``--checkpoint smollm2|gemma3``, ``--gguf FILE`` or ``--model PATH`` instead: a real checkpoint's
+training step and forward, unpatched vs patched vs patched + fused head (engine/bench_checkpoint.py).
 """
 
 from __future__ import annotations
