@@ -148,7 +148,7 @@ class _CompiledKernel:
         self.failed = self.warned = False
 
     def __call__(self, *args: Any) -> Any:
-        if self.failed:
+        if self.failed or torch.compiler.is_compiling():  # inside a user's torch.compile: it fuses the reference
             return self.reference(*args)
         key = _shape_class(args)
         fn = self.functions.get(key, _MISSING)
@@ -231,7 +231,7 @@ def by_rows(kernel: _CompiledKernel, flat: int) -> Callable[..., Any]:
         shape = x.shape
         last = shape[-1] if shape else 0
         rows = x.numel() // last if last else 0
-        if rows < EAGER_BELOW_ROWS or any(a.shape != shape for a in args[1:flat]):
+        if rows < EAGER_BELOW_ROWS or torch.compiler.is_compiling() or any(a.shape != shape for a in args[1:flat]):
             return reference(*args)
         out = kernel(*(a.reshape(rows, last) for a in args[:flat]), *args[flat:])
         return out.view(shape)
