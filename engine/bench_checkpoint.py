@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -169,7 +170,8 @@ def bench_checkpoint(model: nn.Module, patchset: str | None = None, *, train_seq
     params = sum(p.numel() for p in model.parameters())
     return {"model_type": model.config.model_type, "patchset": patchset, "parameters": params,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "repeats": repeats,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
+            "rows": rows}
 
 
 def markdown(result: dict[str, Any], name: str, command: str) -> str:
@@ -177,7 +179,8 @@ def markdown(result: dict[str, Any], name: str, command: str) -> str:
              f"{result['dtype']}, patchset `{result['patchset']}`)")
     method = (f"Written by `{command}`: time = median of {result['repeats']} interleaved runs (one warm-up round "
               "first), peak = the allocator's peak rise over the call (`torch.profiler`, `profile_memory`; gradients "
-              f"cleared before it); torch {result['torch']}, {result['threads']} threads; the machine is shared.")
+              f"cleared before it); torch {result['torch']}, {result['threads']} threads; the machine is shared"
+              + (f" (load average {result['load_average']:.1f} at the end)." if "load_average" in result else "."))
     lines = [title, "", method, "",
              "| work | variant | time s | vs unpatched | peak rise MiB | vs unpatched | loss (diff vs unpatched) |",
              "|---|---|---|---|---|---|---|"]
