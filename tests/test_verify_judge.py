@@ -260,3 +260,19 @@ def test_the_truth_runs_where_torch_has_no_fp64_kernel() -> None:
     loss = next(c for c in report.checks if c.what == "loss")
     assert loss.max_abs > 0 and "the original's own error vs fp64" in loss.note
     assert not any("still rounded" in c.note for c in report.checks)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_verify_under_gradient_checkpointing(qwen3: torch.nn.Module, reentrant: bool) -> None:
+    """A checkpointed layer recomputes its forward in backward, outside the fp64 mode: the truth
+    run turns checkpointing off (values are the same), and the model keeps it on afterwards.
+    (LlamaFactory turns checkpointing on by default, before our callback verifies.)"""
+    qwen3.train()
+    qwen3.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    report = engine.verify(qwen3, "qwen3", mode="training")
+    assert report.passed, str(report)
+    assert all(m.gradient_checkpointing for m in qwen3.model.layers)
+    wrong = engine.verify(qwen3, {"name": "wrong", "model_types": ["qwen3"], "patches": [
+        {"target": "Qwen3RMSNorm", "op": "rms_norm", "scale": "one_plus_weight", "eps_attr": "variance_epsilon"}]},
+        mode="training", raise_on_failure=False)
+    assert not wrong.passed

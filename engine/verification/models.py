@@ -188,6 +188,24 @@ def _judge_gradients(params: dict[str, nn.Parameter], grads: _Grads) -> Iterator
             handle.remove()
 
 
+@contextlib.contextmanager
+def _no_checkpointing(model: nn.Module) -> Iterator[None]:
+    """transformers' gradient checkpointing off for the truth run, restored after.
+
+    Why: a checkpointed layer recomputes its forward during backward, outside the fp64 mode, so
+    the recomputation would meet fp64 activations with fp32 weights. Checkpointing changes memory,
+    not values, so the truth is the same without it.
+    """
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
+
+
 def _truth_run(original: nn.Module, batch: dict[str, torch.Tensor], head: str, grads: _Grads) -> dict[str, Any]:
     """The original in fp64; each parameter's fp64 gradient is measured against the original's as it arrives."""
 
@@ -198,7 +216,8 @@ def _truth_run(original: nn.Module, batch: dict[str, torch.Tensor], head: str, g
 
     sink = GradientSink(arrived)
     truth = fp64_truth(original, sink)
-    out = _run(original, batch, forward_in=truth)
+    with _no_checkpointing(original):
+        out = _run(original, batch, forward_in=truth)
     sink.flush()
     mode = truth.mode
     # A call the mode could not widen leaves the truth rounded there, like the original: the
