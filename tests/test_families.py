@@ -17,6 +17,7 @@ import engine
 from engine.loader import bundled_names, load_patchset
 from engine.verification import compare, probe_batch
 from engine.verification.models import surrogate_loss
+from engine.versions import patch_is_active
 
 NAMES = bundled_names()
 
@@ -59,7 +60,7 @@ def test_patched_equals_unpatched(name: str, dtype: torch.dtype) -> None:
     ps = load_patchset(name)
     for index, patch in enumerate(ps.patches):
         hits = [d for d in report.decisions if d.patch_index == index and d.action == "patch"]
-        assert hits or patch.optional, f"patches[{index}] matched nothing"
+        assert hits or patch.optional or not patch_is_active(patch), f"patches[{index}] matched nothing"
 
     batch = probe_batch(reference, seq=24)
     # With flash-linear-attention installed (CI), transformers binds the gated delta rule of
