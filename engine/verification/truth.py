@@ -15,6 +15,9 @@ transformers' own fp32 model is, and the "truth" flatters the original.
 * turns every cast to a lower float dtype into a no-op on fp64 tensors: ``.float()``,
   ``.half()``, ``.bfloat16()``, and any ``dtype`` argument (``.to(torch.float32)``,
   ``.type(...)``, ``softmax(dtype=torch.float32)``, ``torch.zeros(dtype=...)``) becomes fp64;
+* never upcasts a large parameter (over :data:`_BIG` elements) whole: ``F.embedding`` upcasts
+  the looked-up rows, ``F.linear`` blocks of the weight in turn (:class:`_WideRows`,
+  :class:`_WideLinear`: Gemma 3's tied 262k x 640 embedding is 1.3 GiB in fp64);
 * counts any floating-point result that is still not fp64 (:attr:`Fp64.rounded`), so a caller
   can check that nothing rounded (tests assert it is empty).
 
