@@ -15,6 +15,9 @@ transformers' own fp32 model is, and the "truth" flatters the original.
 * turns every cast to a lower float dtype into a no-op on fp64 tensors: ``.float()``,
   ``.half()``, ``.bfloat16()``, and any ``dtype`` argument (``.to(torch.float32)``,
   ``.type(...)``, ``softmax(dtype=torch.float32)``, ``torch.zeros(dtype=...)``) becomes fp64;
+* never upcasts a large parameter (over :data:`_BIG` elements) whole: ``F.embedding`` upcasts
+  the looked-up rows, ``F.linear`` blocks of the weight in turn (:class:`_WideRows`,
+  :class:`_WideLinear`: Gemma 3's tied 262k x 640 embedding is 1.3 GiB in fp64);
 * counts any floating-point result that is still not fp64 (:attr:`Fp64.rounded`), so a caller
   can check that nothing rounded (tests assert it is empty).
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,23 +68,44 @@ class GradientSink:
         self.uses: dict[str, int] = {}
         self.arrived: dict[str, int] = {}
         self.partial: dict[str, torch.Tensor] = {}
+        self._owned: set[str] = set()  # partial sums the sink made itself: safe to add into in place
 
     def used(self, name: str) -> None:
         self.uses[name] = self.uses.get(name, 0) + 1
 
-    def receive(self, name: str, grad: torch.Tensor) -> None:
+    def receive(self, name: str, grad: torch.Tensor, owned: bool = False) -> None:
+        """One use's gradient; ``owned``: nobody else holds ``grad``, so later uses may be added into it."""
         held = self.partial.pop(name, None)
-        total = grad if held is None else held + grad
+        if held is None:
+            total = grad
+        elif name in self._owned:
+            total = held.add_(grad)
+        else:
+            total, owned = held + grad, True
+        self._settle(name, total, owned)
+
+    def receive_rows(self, name: str, index: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> None:
+        """One lookup's gradient as the rows it touched (``grad[index[i]] += rows[i]``): no dense copy per use."""
+        held = self.partial.pop(name, None)
+        if held is None or name not in self._owned:
+            held = torch.zeros(shape, dtype=rows.dtype, device=rows.device) if held is None else held.clone()
+        self._settle(name, held.index_add_(0, index, rows), True)
+
+    def _settle(self, name: str, total: torch.Tensor, owned: bool) -> None:
+        self._owned.discard(name)
         self.arrived[name] = self.arrived.get(name, 0) + 1
         if self.arrived[name] >= self.uses.get(name, 0):
             self.on_complete(name, total)
         else:
             self.partial[name] = total
+            if owned:
+                self._owned.add(name)
 
     def flush(self) -> None:
         """Deliver parameters some of whose uses never reached the loss (their gradient is what arrived)."""
         for name in list(self.partial):
             self.on_complete(name, self.partial.pop(name))
+        self._owned.clear()
 
 
 class _Upcast(torch.autograd.Function):
@@ -96,6 +120,67 @@ class _Upcast(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
         ctx.sink.receive(ctx.name, grad)
         return None, None, None
+
+
+#: A parameter with more elements than this is never upcast whole by a lookup or a linear layer:
+#: a 262k-token embedding tied to the head is 1.3 GiB in fp64 (see :class:`_WideRows`, :class:`_WideLinear`).
+_BIG = 1 << 22
+
+
+class _WideRows(torch.autograd.Function):
+    """``F.embedding`` in fp64 from the looked-up rows only; the gradient reaches the sink as rows."""
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, ids: torch.Tensor, padding_idx: int | None,  # type: ignore[override]
+                sink: GradientSink | None, name: str) -> torch.Tensor:
+        ctx.ids, ctx.padding_idx, ctx.sink, ctx.name, ctx.shape = ids, padding_idx, sink, name, p.shape
+        return p.detach()[ids].to(torch.float64)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        ids, rows = ctx.ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
+            rows = rows.masked_fill((ids == ctx.padding_idx).unsqueeze(-1), 0.0)
+        ctx.sink.receive_rows(ctx.name, ids, rows, ctx.shape)
+        return None, None, None, None, None
+
+
+class _WideLinear(torch.autograd.Function):
+    """``F.linear`` in fp64 with the weight upcast a block of output rows at a time (a huge LM head)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, p: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                sink: GradientSink | None, name: str) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.p, ctx.sink, ctx.name, ctx.has_bias = p, sink, name, bias is not None
+        w = p.detach()
+        out = x.new_empty(*x.shape[:-1], w.shape[0])
+        for s, block in _blocks(w):
+            out[..., s:s + block.shape[0]] = x @ block.T
+        return out if bias is None else out.add_(bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        w = ctx.p.detach()
+        g, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = x2.new_zeros(x2.shape)
+        grad_w = x2.new_empty(w.shape) if ctx.sink is not None else None
+        for s, block in _blocks(w):
+            gs = g[:, s:s + block.shape[0]]
+            grad_x.addmm_(gs, block)
+            if grad_w is not None:
+                torch.mm(gs.T, x2, out=grad_w[s:s + block.shape[0]])
+        if grad_w is not None:
+            ctx.sink.receive(ctx.name, grad_w, owned=True)
+        return grad_x.reshape(x.shape), None, g.sum(0) if ctx.has_bias else None, None, None
+
+
+def _blocks(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, rows in fp64)`` of ``w``, about :data:`_BIG` / 8 elements at a time."""
+    step = max(1, (_BIG // 8) // max(1, w.shape[-1]))
+    for s in range(0, w.shape[0], step):
+        yield s, w[s:s + step].to(torch.float64)
 
 
 def _grouped_mm(
@@ -171,6 +256,9 @@ class Fp64(TorchFunctionMode):
         if func in _DOWNCASTS and args and isinstance(args[0], torch.Tensor):
             x = args[0]  # ``ids.float()``: an integer tensor becomes fp64 (exact below 2**53)
             return self._up(x) if x.is_floating_point() else x.to(torch.float64)
+        wide = self._wide(func, args, kwargs)
+        if wide is not None:
+            return wide
         if _in_place(func) and args and isinstance(args[0], torch.Tensor):
             # ``t.add_(...)``, ``t[i] = v``: the result must land in ``t`` itself, not in an upcast copy
             rest, kwargs = tree_map(self._up, (args[1:], kwargs))
@@ -184,6 +272,36 @@ class Fp64(TorchFunctionMode):
                 return self._count(func, func(*original[0], **original[1]))
         out = func(*args, **kwargs)
         return self._count(func, out)
+
+    def _wide(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """A lookup in, or a linear layer by, a large parameter, without its whole fp64 copy; ``None``: not one."""
+        if func is torch.nn.functional.embedding:
+            names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                            "sparse")
+        elif func is torch.nn.functional.linear:
+            names = ("input", "weight", "bias")
+        else:
+            return None
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        entry = self.params.get(id(bound.get("weight")))
+        if entry is None or entry[1].numel() <= _BIG:
+            return None
+        name, param = entry
+        sink = self.sink if self.sink is not None and param.requires_grad and torch.is_grad_enabled() else None
+        if func is torch.nn.functional.embedding:
+            if bound.get("max_norm") is not None or bound.get("scale_grad_by_freq") or bound.get("sparse"):
+                return None
+            padding = bound.get("padding_idx")
+            if padding is not None and padding < 0:
+                padding += param.shape[0]
+            if sink is not None:
+                sink.used(name)
+                return _WideRows.apply(param, bound["input"], padding, sink, name)
+            return param.detach()[bound["input"]].to(torch.float64)
+        x, bias = self._up(bound["input"]), self._up(bound.get("bias"))
+        if sink is not None:
+            sink.used(name)
+        return _WideLinear.apply(x, param, bias, sink, name)
 
     def _count(self, func: Any, out: Any) -> Any:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64:
