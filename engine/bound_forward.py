@@ -123,6 +123,12 @@ def build_forward(
         fn = op.bind(module, binding.patch, impl)
     else:
         fn = _routed_forward(module, binding.route, impl, binding.previous)
+        if not provider.compile_safe:
+            # The kernel breaks dynamo's graph, and a graph break inside the routed forward makes
+            # dynamo run that forward eagerly while it compiles the callee, where the eager route
+            # (the context variable) cannot be read: the callee would reach the original function.
+            # So the whole caller runs eagerly, on the eager route (listed in Report.compile_disabled).
+            fn = torch.compiler.disable(fn, recursive=True)
     if not provider.has_backward:
         fn = _no_backward_guard(fn, binding, type(module).__name__)
     return fn
@@ -136,9 +142,15 @@ def _routed_forward(
     if router is None:
         raise RuntimeError(f"no router for {route[0]}.{route[1]}; the patch state acquires it before binding")
     inner = unbound_forward(module, previous)
-    active = router.active
+    active, traced = router.active, router.traced
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # dynamo traces a list, not a ContextVar (engine/routing.py)
+            traced.append(impl)
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                traced.pop()
         token = active.set(impl)
         try:
             return inner(self, *args, **kwargs)

@@ -80,6 +80,21 @@ class _HookRecord:
         self.module.register_forward_pre_hook(self.hook)
 
 
+@dataclass
+class _AttributeRecord:
+    """An instance attribute apply set (``_can_compile_fullgraph``); undo restores exactly what was there."""
+
+    obj: Any
+    name: str
+    previous: Any = MISSING
+
+    def undo(self) -> None:
+        if self.previous is MISSING:
+            self.obj.__dict__.pop(self.name, None)
+        else:
+            self.obj.__dict__[self.name] = self.previous
+
+
 def _release_routers(keys: list[tuple[str, str]]) -> None:
     for namespace, function in keys:
         routing.release(namespace, function)
@@ -371,7 +386,19 @@ def _prepare(model: nn.Module, the_plan: Plan) -> list[Callable[[list[Any]], Non
             for caller in site.callers:
                 bottom_slot(modules[caller], caller)
                 steps.append(_route_caller_step(modules[caller], caller, decision, impl, provider))
+    if any(d.provider is not None and not d.provider.compile_safe for d in the_plan.patched):
+        # Those kernels run between graphs: the instance stops advertising a fullgraph compile (Report says why)
+        steps += [_attribute_step(m, "_can_compile_fullgraph", False) for m in modules.values()
+                  if getattr(type(m), "_can_compile_fullgraph", False)]
     return steps
+
+
+def _attribute_step(obj: Any, name: str, value: Any) -> Callable[[list[Any]], None]:
+    def step(records: list[Any]) -> None:
+        records.append(_AttributeRecord(obj, name, obj.__dict__.get(name, MISSING)))
+        obj.__dict__[name] = value
+
+    return step
 
 
 def _set_forward_step(module: nn.Module, forward: PatchedForward) -> Callable[[list[Any]], None]:

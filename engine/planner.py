@@ -378,10 +378,11 @@ def _plan_module_patch(
         dtensor=dtensor_parameter(model, matches),
     )
     for path, module in matches:
+        chosen = op.users_choice(model, module) if provider else None  # honoured: left as it is
         yield Decision(
             path=path, cls=type(module).__name__, op=op.name, patch_index=index,
-            action="patch" if provider else "skip", kernel=provider.name if provider else None,
-            reason=reason, patch=patch, provider=provider,
+            action="patch" if provider and not chosen else "skip", kernel=None if chosen or not provider else provider.name,
+            reason=chosen or reason, patch=patch, provider=None if chosen else provider,
         )
 
 

@@ -102,6 +102,20 @@ class Report:
             if d.action == "patch" and d.provider is not None and not d.provider.compile_safe
         ]
 
+    @property
+    def fullgraph_blocker(self) -> str | None:
+        """Why ``torch.compile(fullgraph=True)`` cannot hold the patched model, or None when it can.
+
+        A kernel that is not compile-safe runs eagerly between graphs, which ``fullgraph=True``
+        forbids; apply then sets ``_can_compile_fullgraph = False`` on the model's instances
+        (transformers' flag), and revert restores it.
+        """
+        kernels = sorted({d.kernel or "-" for d in self.decisions if d.path in self.compile_disabled})
+        if not kernels:
+            return None
+        return (f"kernels {', '.join(kernels)} are not torch.compile-safe and run eagerly between graphs, so "
+                "fullgraph=True cannot compile this model: its _can_compile_fullgraph is False until revert")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "patchset": self.patchset,
@@ -116,6 +130,7 @@ class Report:
                 for d in self.decisions
             ],
             "compile_disabled": self.compile_disabled,
+            "fullgraph_blocker": self.fullgraph_blocker,
         }
 
     def table(self, *, detail: bool = False) -> str:
@@ -132,6 +147,7 @@ class Report:
         if eager:
             text += (
                 f"\nnot compile-safe, run outside torch.compile graphs (graph break): {len(eager)} "
-                f"({', '.join(sorted({d.kernel or '-' for d in self.decisions if d.path in eager}))})"
+                f"({', '.join(sorted({d.kernel or '-' for d in self.decisions if d.path in eager}))}); "
+                "torch.compile(fullgraph=True) cannot hold it (_can_compile_fullgraph is False until revert)"
             )
         return text

@@ -4,10 +4,28 @@ transformers' attention forwards call ``apply_rotary_pos_emb`` (and the linear-a
 helpers) by global name, so the only place to intercept them is the modeling module's
 namespace, which every model of that family in the process shares. To patch it for one
 model only, the engine installs a *router* there once: it calls the original function,
-unless the call happens inside the forward of a module of a patched model, which sets a
-context variable naming its kernel for the duration of its forward. Other models, and
-this model after :func:`engine.revert`, reach the original. The router is removed when the
-last model using it is reverted.
+unless the call happens inside the forward of a module of a patched model, which names its
+kernel for the duration of its forward. Other models, and this model after
+:func:`engine.revert`, reach the original. The router is removed when the last model using
+it is reverted.
+
+Two ways to name the kernel, one per mode, so that a patched model compiles wherever the
+unpatched one does (``fullgraph=True`` included):
+
+* eager: a context variable (:attr:`FunctionRouter.active`), set and reset around the
+  caller's forward. Why: it is per thread and per asyncio task, so two models of one family
+  running concurrently each reach their own kernel.
+* while dynamo traces (``torch.compiler.is_compiling()``, which dynamo folds to a constant):
+  a plain list used as a stack (:attr:`FunctionRouter.traced`), pushed and popped around the
+  caller's forward. Why: dynamo cannot trace ``ContextVar.set`` or ``.get`` (an
+  ``Unsupported`` error under ``fullgraph=True``, a graph break per call site otherwise), but
+  it traces a list's append / pop / ``[-1]`` as side effects it models itself, so the
+  routed call becomes a constant call of the kernel in the graph. Push and pop happen in the
+  same trace; the list is empty outside a forward.
+
+An eager forward whose inner call dynamo compiles separately (a user compiling one
+submodule's forward) is the one mix that falls back to the original function: the compiled
+code cannot read the context variable.
 """
 
 from __future__ import annotations
@@ -17,6 +35,8 @@ import sys
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
+
+import torch
 
 __all__ = ["FunctionRouter", "acquire", "release", "router_for"]
 
@@ -29,15 +49,22 @@ class FunctionRouter:
         self.name = name
         self.original: Callable[..., Any] = namespace[name]
         self.active: ContextVar[Callable[..., Any] | None] = ContextVar(f"patch_engine.{name}", default=None)
+        #: The kernels of the callers whose forwards dynamo is tracing, innermost last.
+        self.traced: list[Callable[..., Any]] = []
         self.users = 0
         #: Callbacks ``(args, kwargs)`` run on every routed call; verification uses them to
         #: capture real inputs and to prove that the function is called at all.
         self.observers: list[Callable[[tuple[Any, ...], dict[str, Any]], None]] = []
-        original, active, observers = self.original, self.active, self.observers
+        original, active, traced, observers = self.original, self.active, self.traced, self.observers
+        compiling = torch.compiler.is_compiling
 
         @functools.wraps(original)
         def routed(*args: Any, **kwargs: Any) -> Any:
-            impl = active.get()
+            if compiling():
+                impl = traced[-1] if traced else None
+            else:
+                # `traced` is non-empty here only when a compiled caller broke its graph around this call
+                impl = active.get() or (traced[-1] if traced else None)
             if observers:
                 for observe in observers:
                     observe(args, kwargs)

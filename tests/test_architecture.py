@@ -44,15 +44,16 @@ class Layer:
 #: Lowest first. A module may import modules of its own layer and of the layers above it in
 #: this list, never of a layer below it.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundation", ("engine.errors", "engine.drift", "engine.routing", "engine.kernel_names", "engine.versions"),
-          True, "error types, signature drift, function routing, the table of kernel names, installed versions"),
+    Layer("foundation", ("engine.errors", "engine.drift", "engine.kernel_names", "engine.versions"),
+          True, "error types, signature drift, the table of kernel names, installed versions"),
     Layer("vocabulary", ("engine.schema", "engine.schema_common"), True,
           "pydantic models of what a patchset may say"),
     Layer("loading", ("engine.loader", "engine.loader.*"), True,
           "YAML with line numbers, extends, messages, names, JSON Schema"),
-    Layer("torch helpers", ("engine.devices", "engine.wrappers", "engine.placements", "engine.hub_functions",
-                            "engine.tiny", "engine.tiny_config", "engine.submodels"), False,
-          "devices, wrapper unwrapping, DTensor placements, hub functions, tiny models and their configs, sub-models"),
+    Layer("torch helpers", ("engine.devices", "engine.wrappers", "engine.placements", "engine.routing",
+                            "engine.hub_functions", "engine.tiny", "engine.tiny_config", "engine.submodels"), False,
+          "devices, wrapper unwrapping, DTensor placements, function routing (traced by dynamo), hub functions, "
+          "tiny models and their configs, sub-models"),
     Layer("ops", ("engine.ops", "engine.ops.*"), False,
           "semantics: target contract, binding, the torch reference (Op.reference)"),
     Layer("kernels", ("engine.kernels", "engine.kernels.*"), False,

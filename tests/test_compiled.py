@@ -82,6 +82,38 @@ def test_auto_picks_compiled_on_cpu_and_the_model_matches() -> None:
         assert torch.allclose(pat_grads[k], ref_grads[k], atol=1e-5, rtol=0), k
 
 
+def test_retain_graph_and_double_backward_as_in_eager() -> None:
+    """backward(retain_graph=True) twice, then a gradient penalty (create_graph=True), patched vs unpatched.
+
+    AOTAutograd's compiled backward donates its buffers and has no double backward; the
+    compiled kernels' own autograd node differentiates the reference there (compiled.py, _Trainable).
+    Same tiny qwen3 and probe batch as the test above: the compiles are shared.
+    """
+    reference = tiny_for("qwen3")
+    patched = copy.deepcopy(reference)
+    engine.apply(patched, "qwen3", device="cpu")
+    batch = probe_batch(reference, seq=24)
+    results = []
+    for m in (reference, patched):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fall back to the reference
+            out = m(**batch)
+            out.loss.backward(retain_graph=True)  # two losses on one graph: the gradient twice
+            out.loss.backward()
+            twice = {k: p.grad.clone() for k, p in m.named_parameters()}
+            m.zero_grad(set_to_none=True)
+            params = [p for p in m.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(m(**batch).loss, params, create_graph=True)
+            sum(g.square().sum() for g in grads).backward()  # a gradient penalty: double backward
+            results.append((twice, {k: p.grad for k, p in m.named_parameters()}))
+    assert any(k.functions for k in compiled.kernels().values()), "no compiled kernel ran"
+    (ref_twice, ref_penalty), (pat_twice, pat_penalty) = results
+    for k in ref_twice:
+        assert torch.allclose(pat_twice[k], ref_twice[k], atol=2e-5, rtol=0), k
+        assert torch.allclose(pat_penalty[k], ref_penalty[k], atol=1e-4, rtol=1e-4), k
+    engine.revert(patched)
+
+
 def test_no_compiler_falls_back_to_torch_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled, "find_cxx", lambda: None)
     the_plan = plan(tiny_for("qwen3"), "qwen3", device="cpu")

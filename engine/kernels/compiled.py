@@ -157,6 +157,8 @@ class _CompiledKernel:
         if fn is None:
             return self.reference(*args)
         try:
+            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                return _Trainable.apply(self.reference, fn, *args)
             return fn(*args)
         except Exception as exc:
             return self._fall_back(key, exc, args)
@@ -186,6 +188,56 @@ class _CompiledKernel:
             code = getattr(getattr(fn, "_torchdynamo_orig_callable", None), "__code__", None)
             out[key] = len(_debug_get_cache_entry_list(code)) if code is not None else 0
         return out
+
+
+_SAVED = object()  # marks a tensor argument, kept by save_for_backward
+
+
+class _Trainable(torch.autograd.Function):
+    """A compiled call under autograd, whose backward also works where the compiled one cannot.
+
+    Why: the backward AOTAutograd compiles runs once and only once. Inductor donates its saved
+    buffers to it (``backward(retain_graph=True)`` raises "compiled with non-empty donated
+    buffers"; turning donation off at compile time does not lift that check), and it has no
+    double backward (``create_graph=True``). The eager forward supports both, so a model
+    patched with compiled kernels must too: several losses on one graph, gradient penalties.
+
+    So the compiled function runs inside this node, recording its own graph. A plain
+    backward (the training step) runs the compiled backward through that graph. A backward
+    that keeps the graph (``retain_graph=True``) or builds one (``create_graph=True``)
+    differentiates the op's torch reference, recomputed from the saved inputs, instead:
+    the same math (within the compiled kernel's rounding), differentiable again, and it
+    leaves the compiled graph unused for a last plain backward. Cost: one more autograd node
+    per compiled call in training; nothing in inference.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, reference: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Any:
+        with torch.enable_grad():
+            out = fn(*args)
+        ctx.reference, ctx.out = reference, out
+        ctx.args = tuple(_SAVED if isinstance(a, torch.Tensor) else a for a in args)
+        ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved = iter(ctx.saved_tensors)
+        args = [next(saved) if a is _SAVED else a for a in ctx.args]
+        wanted = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        inputs = [args[i] for i in wanted]
+        create = torch.is_grad_enabled()
+        if create or ctx.out is None or torch._C._autograd._get_current_graph_task_keep_graph():
+            with torch.enable_grad():
+                out = ctx.reference(*args)
+            grads = torch.autograd.grad(out, inputs, grad, create_graph=create, allow_unused=True)
+        else:
+            out, ctx.out = ctx.out, None  # its saved buffers are spent by this backward
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        result: list[Any] = [None] * (2 + len(args))
+        for i, g in zip(wanted, grads, strict=True):
+            result[2 + i] = g
+        return tuple(result)
 
 
 _MISSING = object()

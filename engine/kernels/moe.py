@@ -67,12 +67,79 @@ def _has_grouped_kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
 
-def torch_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """torch's grouped matmul (CPU; CUDA sm80+), else a per-group loop. Differentiable."""
+def _eager_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if not _has_grouped_kernel(x):
         return _loop_mm(x, weight, counts)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     return _grouped_mm_function()(x, weight, offs=offsets)  # type: ignore[misc]
+
+
+def torch_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul (CPU; CUDA sm80+), else a per-group loop. Differentiable.
+
+    Under ``torch.compile`` in any dtype but bf16 it is one opaque op (:func:`_opaque_grouped_mm`)
+    running the same eager kernel. Why: ``grouped_mm``'s meta function, which tracing runs,
+    accepts bf16 only (``Expected inputs of BF16 type``), though its CPU kernel runs fp32; the
+    loop's ``counts.tolist()`` would break the graph. So a compiled model computes what the
+    eager one does, in every dtype.
+    """
+    if torch.compiler.is_compiling() and (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16):
+        return torch.ops.patch_engine.grouped_mm(x, weight, counts)
+    return _eager_grouped_mm(x, weight, counts)
+
+
+# ---------------------------------------------------------------- grouped matmul as an opaque op (compile)
+
+
+@torch.library.custom_op("patch_engine::grouped_mm", mutates_args=())
+def _opaque_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``y[rows of group e] = x[rows of group e] @ weight[e]``: [S, in] x [E, in, out] -> [S, out]."""
+    return _eager_grouped_mm(x, weight, counts)
+
+
+@torch.library.custom_op("patch_engine::grouped_mm_weight_grad", mutates_args=())
+def _opaque_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``out[e] = x[rows of e]^T @ grad[rows of e]``: [S, in], [S, out] -> [E, in, out] (the weight's gradient)."""
+    if _has_grouped_kernel(x):
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return _grouped_mm_function()(x.t(), grad, offs=offsets)  # type: ignore[misc]
+    out, start = x.new_zeros(counts.numel(), x.shape[1], grad.shape[1]), 0
+    for e, n in enumerate(counts.tolist()):
+        out[e] = x[start:start + n].t() @ grad[start:start + n]
+        start += n
+    return out
+
+
+@_opaque_grouped_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[-1])
+
+
+@_opaque_weight_grad.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(counts.shape[0], x.shape[1], grad.shape[1])
+
+
+def _save_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    # The formulas of torch's own derivative of grouped_mm (bit-equal to it on CPU), as these
+    # two ops, so that double backward works too.
+    x, weight, counts = ctx.saved_tensors
+    grad = grad.contiguous()
+    return (_opaque_grouped_mm(grad, weight.transpose(1, 2), counts), _opaque_weight_grad(x, grad, counts), None)
+
+
+def _weight_grad_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    x, out_grad, counts = ctx.saved_tensors
+    grad = grad.contiguous()
+    return (_opaque_grouped_mm(out_grad, grad.transpose(1, 2), counts), _opaque_grouped_mm(x, grad, counts), None)
+
+
+_opaque_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_inputs)
+_opaque_weight_grad.register_autograd(_weight_grad_backward, setup_context=_save_inputs)
 
 
 def _as_in_out(weight: torch.Tensor, transposed: bool) -> torch.Tensor:

@@ -87,6 +87,15 @@ class ModuleOp(Op):
         """
         return patch
 
+    def users_choice(self, model: nn.Module, module: nn.Module) -> str | None:
+        """Why ``module`` stays as it is because the user chose its implementation, or None (default).
+
+        Why: a model may dispatch on a setting the user made (transformers' experts on
+        ``config._experts_implementation``); a patch must honour that choice, never silently
+        override it. The plan then skips the module with this reason.
+        """
+        return None
+
     def bind(self, module: nn.Module, patch: Any, impl: Callable[..., Any]) -> Callable[..., Any]:
         """A plain function ``forward(self, ...)`` to be bound to ``module`` with MethodType."""
         raise NotImplementedError

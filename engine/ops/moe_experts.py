@@ -16,8 +16,12 @@ gpt_oss gates with a clamped swiglu: ``g = min(gate, limit)``, ``u = clamp(up, -
 ``h = (u + 1) * g * sigmoid(alpha * g)``. An expert index equal to the number of experts is
 the expert-parallel sentinel: it contributes nothing, as in transformers.
 
-The patched forward replaces the dispatcher on the instance, so a patched module runs the
-chosen kernel whatever ``_experts_implementation`` says. The layout is declared in the YAML
+The patched forward replaces the dispatcher on the instance, standing in for transformers'
+default implementation (``grouped_mm``; ``eager`` for a class that cannot switch). A choice
+the user made is honoured, never silently overridden: experts whose config names another
+implementation at plan time are left as they are (skipped, with the reason in the plan), and
+a patched module whose config is switched after apply (``model.set_experts_implementation``)
+runs transformers' dispatcher, i.e. the implementation chosen, until switched back. The layout is declared in the YAML
 and checked at plan time against the weights' shapes and the flags the decorator sets
 (``is_transposed``, ``is_concatenated``, ``has_bias``, ``has_gate``, ``has_post_expert_norm``).
 """
@@ -218,10 +222,24 @@ class MoeExpertsOp(ModuleOp):
                 "replaces silu-gated experts only (check the config's hidden_act, or declare clamped_swiglu)"
             )
 
+    def users_choice(self, model: nn.Module, module: nn.Module) -> str | None:
+        """The experts implementation the user chose, if it is not transformers' default (which the patch replaces)."""
+        chosen = _implementation(module)
+        default = _default_implementation(model)
+        if chosen is None or chosen == default:
+            return None
+        return (f"config._experts_implementation is {chosen!r}, chosen by the user (the default is {default!r}): "
+                "honoured, left to transformers' dispatcher; to patch these experts, load the model without "
+                f"experts_implementation= or call model.set_experts_implementation({default!r}) before apply")
+
     def bind(self, module: nn.Module, patch: MoeExpertsPatch, impl: ExpertsKernel) -> Callable[..., Any]:
         names = [p.name for p in forward_parameters(type(module))[:3]]
+        applied = _implementation(module)  # what the kernel stands in for; another value later is a user's switch
+        dispatch = type(module).forward
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if applied is not None and _implementation(self) != applied:
+                return dispatch(self, *args, **kwargs)  # switched after apply: honour it
             if kwargs or len(args) != 3:
                 bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
                 args = tuple(bound.arguments[n] for n in names)
@@ -257,6 +275,20 @@ class MoeExpertsOp(ModuleOp):
     def alternatives(self, patch: MoeExpertsPatch) -> Iterator[tuple[str, MoeExpertsPatch]]:
         other = next(v for v in ExpertsLayout if v is not patch.layout)
         yield f"layout: {other.value}", patch.model_copy(update={"layout": other})
+
+
+def _implementation(module: nn.Module) -> str | None:
+    """``config._experts_implementation`` of an experts module (transformers' decorator sets ``self.config``)."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def _default_implementation(model: nn.Module) -> str:
+    """What transformers picks when the user names no experts implementation (``grouped_mm``, else ``eager``)."""
+    pick = getattr(model, "get_correct_experts_implementation", None)
+    try:
+        return pick(None) if pick is not None else "grouped_mm"
+    except (ValueError, ImportError):
+        return "grouped_mm"
 
 
 def _declared_text(patch: MoeExpertsPatch, key: str) -> str:
