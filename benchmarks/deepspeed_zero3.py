@@ -156,8 +156,6 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
     row = {"framework": "fsdp2", "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
            "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None}
-    del model, optimizer
-    gc.collect()
     return row
 
 
