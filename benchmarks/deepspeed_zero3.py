@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 on CPU, 2 gloo ranks: peak memory per rank of a training step, unpatched vs fused head.
+"""DeepSpeed ZeRO-3 and FSDP2 on CPU, 2 gloo ranks: peak memory per rank of a training step, unpatched vs fused head.
 
 A Qwen3 of the size benchmarks/flce.py uses (hidden 1024, 4 layers, vocab 151,936, fp32), built
 under ``deepspeed.zero.Init`` (as ``from_pretrained`` builds a ZeRO-3 model) with the head really
@@ -13,10 +13,15 @@ allocation and free on the rank; the running sum's maximum is the peak rise over
 floor a fused head cannot go under is the gathered head itself (``[V, H]`` fp32) plus its
 gradient: 2 x 594 MiB at this size; the unpatched step also holds the logits and their gradient.
 
+FSDP2 (``--framework fsdp2``): the same model built whole on each rank (same seed), patched, then
+``fully_shard`` on each decoder layer, on ``lm_head`` where it is untied (its own unit: whole only
+for its forward and its backward; a tied head shares its weight with the embedding and stays in
+the root's unit), and on the model; one measured step: forward, ``backward``, SGD step.
+
 Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_entropy=True)``).
 
-    DS_ACCELERATOR=cpu flock /tmp/heavy.lock python benchmarks/deepspeed_zero3.py \\
-        --out benchmarks/results/deepspeed_zero3_cpu.json
+    DS_ACCELERATOR=cpu flock /work/wt/heavy.lock python benchmarks/deepspeed_zero3.py \\
+        --framework zero3 fsdp2 --seq 1024 4096 --out benchmarks/results/sharded_head_cpu.json
 
 Writes the JSON and a Markdown table next to it (same name, ``.md``).
 """
@@ -53,6 +58,7 @@ DS_CONFIG = {
     "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
 }
 VARIANTS = ("unpatched", "fused")
+FRAMEWORKS = ("zero3", "fsdp2")
 
 
 def peak_rise(fn: Any, mark: str = "aten::embedding") -> tuple[float, float, float]:
@@ -107,12 +113,10 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     warm = step()
     external = sorted(getattr(model, "_external_params", {}).keys())
     head_external = id(model.lm_head.weight) in external
-    embedding_external = not tied and id(model.get_input_embeddings().weight) in external
     peak, at_backbone, seconds = peak_rise(step)
-    row = {"variant": variant, "tied": tied, "seq": seq, "rank": rank, "peak_mib": round(peak, 1),
-           "mib_when_backbone_starts": round(at_backbone, 1),
-           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external,
-           "untied_embedding_registered_on_root": embedding_external}
+    row = {"framework": "zero3", "variant": variant, "tied": tied, "seq": seq, "rank": rank,
+           "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external}
     if variant != "unpatched":
         engine.revert(model)
     ds_engine.destroy()
@@ -120,72 +124,139 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     return row
 
 
-def worker(rank: int, out: str, seq: int, tieds: list[bool], variants: list[str], sizes: dict[str, int]) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
-    import deepspeed
+def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int]) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    import engine
+
+    config = AutoConfig.for_model("qwen3", **(CONFIG | sizes), tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    if variant != "unpatched":
+        engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if not tied:  # its own unit: whole for its forward and backward only
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    warm = step()
+    peak, at_backbone, seconds = peak_rise(step)
+    row = {"framework": "fsdp2", "variant": variant, "tied": tied, "seq": seq, "rank": rank,
+           "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None}
+    return row
+
+
+def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: str, sizes: dict[str, int]) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=1800))
-    deepspeed.init_distributed(dist_backend="gloo")
     try:
-        rows = [run_variant(v, t, seq, rank, sizes) for t in tieds for v in variants]
-        Path(f"{out}/rows{rank}.json").write_text(json.dumps(rows))
+        if framework == "zero3":
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+            row = run_variant(variant, tied, seq, rank, sizes)
+        else:
+            row = run_fsdp2(variant, tied, seq, rank, sizes)
+        Path(f"{out}/rows{rank}.json").write_text(json.dumps([row]))
     finally:
         dist.destroy_process_group()
 
 
-def markdown(rows: list[dict[str, Any]], command: str) -> str:
+def key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (FRAMEWORKS.index(row["framework"]), row["seq"], row["tied"], VARIANTS.index(row["variant"]), row["rank"])
+
+
+def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
     lines = [
-        "## DeepSpeed ZeRO-3 step, 2 gloo ranks on CPU: peak memory per rank, unpatched vs fused head",
+        "## ZeRO-3 and FSDP2 steps, 2 gloo ranks on CPU: peak memory per rank, unpatched vs fused head",
         "",
-        (f"Qwen3 hidden {HIDDEN}, 4 layers, vocab {VOCAB:,}, fp32, one sequence of {rows[0]['seq']} tokens per rank, "
-        "built under zero.Init, `stage3_param_persistence_threshold: 0`; peak rise of allocated memory over one "
-        "step (forward, backward, SGD step) after a warm-up step, from the allocator (torch.profiler)."),
+        (f"Qwen3 hidden {HIDDEN}, 4 layers, vocab {VOCAB:,}, fp32, one sequence per rank; ZeRO-3: built under "
+         "zero.Init, `stage3_param_persistence_threshold: 0`; FSDP2: `fully_shard` on each layer, on `lm_head` when "
+         "untied, and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
+         "a warm-up step, from the allocator (torch.profiler); ranks 0 / 1."),
         "",
-        ("| embeddings | variant | rank | peak rise MiB | vs unpatched | MiB held when the backbone starts "
-         "| head registered on the root | s |"),
-        "|---|---|---|---:|---:|---:|---|---:|",
+        ("| framework | tokens per rank | embeddings | variant | peak rise MiB | vs unpatched "
+         "| MiB held when the backbone starts | head registered on the root | s |"),
+        "|---|---:|---|---|---:|---:|---:|---|---:|",
     ]
-    base = {(r["tied"], r["rank"]): r["peak_mib"] for r in rows if r["variant"] == "unpatched"}
-    for r in rows:
-        ratio = r["peak_mib"] / base[(r["tied"], r["rank"])]
-        lines.append(f"| {'tied' if r['tied'] else 'untied'} | {r['variant']} | {r['rank']} | {r['peak_mib']:.0f} | "
-                     f"{ratio:.2f}x | {r['mib_when_backbone_starts']:.0f} | {'yes' if r['head_registered_on_root'] else 'no'} "
-                     f"| {r['seconds']:.1f} |")
-    lines += ["", f"    {command}", ""]
+    base = {(r["framework"], r["seq"], r["tied"], r["rank"]): r["peak_mib"] for r in rows if r["variant"] == "unpatched"}
+    pairs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in sorted(rows, key=key):
+        pairs.setdefault(key(r)[:-1], []).append(r)
+    for group in pairs.values():
+        r = group[0]
+        ratios = [g["peak_mib"] / base[(g["framework"], g["seq"], g["tied"], g["rank"])]
+                  if (g["framework"], g["seq"], g["tied"], g["rank"]) in base else float("nan") for g in group]
+        registered = {None: "-", True: "yes", False: "no"}[r["head_registered_on_root"]]
+        lines.append(
+            f"| {r['framework']} | {r['seq']} | {'tied' if r['tied'] else 'untied'} | {r['variant']} | "
+            + " / ".join(f"{g['peak_mib']:.0f}" for g in group) + " | "
+            + " / ".join(f"{x:.2f}x" for x in ratios) + " | "
+            + " / ".join(f"{g['mib_when_backbone_starts']:.0f}" for g in group)
+            + f" | {registered} | {max(g['seconds'] for g in group):.1f} |")
+    lines += ["", "Commands (each adds its rows to the file):", ""] + [f"    {c}" for c in commands] + [""]
     return "\n".join(lines)
+
+
+def write(out: Path, rows: list[dict[str, Any]], commands: list[str]) -> str:
+    import deepspeed
+    import transformers
+
+    payload = {"commands": commands, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+               "transformers": transformers.__version__, "config": CONFIG, "ds_config": DS_CONFIG,
+               "rows": sorted(rows, key=key)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    text = markdown(rows, commands)
+    out.with_suffix(".md").write_text(text)
+    return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/deepspeed_zero3_cpu.json"))
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sharded_head_cpu.json"))
+    parser.add_argument("--framework", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024])
     parser.add_argument("--tied", choices=["untied", "tied", "both"], default="both")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--append", action="store_true", help="keep the file's other rows (replacing the ones rerun)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "vocab_size": 1024, "num_hidden_layers": 2} if args.smoke else {}
     tieds = {"untied": [False], "tied": [True], "both": [False, True]}[args.tied]
-    rows = []
-    for tied in tieds:  # one process group per variant: freed memory of one does not stay in the next's
-        for variant in args.variants:
-            with tempfile.TemporaryDirectory() as out:
-                mp.spawn(worker, args=(out, args.seq, [tied], [variant], sizes), nprocs=WORLD, join=True)
-                rows += [row for rank in range(WORLD) for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
-            print(rows[-2:], flush=True)
-    rows.sort(key=lambda r: (r["tied"], VARIANTS.index(r["variant"]), r["rank"]))
-    command = "DS_ACCELERATOR=cpu flock /tmp/heavy.lock python " + " ".join(sys.argv)
-    import deepspeed
-    import transformers
-
-    payload = {"command": command, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-               "transformers": transformers.__version__, "config": CONFIG, "ds_config": DS_CONFIG, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=1) + "\n")
-    text = markdown(rows, command)
-    args.out.with_suffix(".md").write_text(text)
+    command = "DS_ACCELERATOR=cpu flock /work/wt/heavy.lock python " + " ".join(sys.argv)
+    rows: list[dict[str, Any]] = []
+    commands = [command]
+    if args.append and args.out.exists():
+        old = json.loads(args.out.read_text())
+        rows, commands = old["rows"], [*old.get("commands", [old.get("command")]), command]
+    text = ""
+    for framework in args.framework:
+        for seq in args.seq:
+            for tied in tieds:  # one process group per run: freed memory of one does not stay in the next's
+                for variant in args.variants:
+                    with tempfile.TemporaryDirectory() as out:
+                        mp.spawn(worker, args=(out, framework, seq, tied, variant, sizes), nprocs=WORLD, join=True)
+                        new = [row for rank in range(WORLD) for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
+                    rows = [r for r in rows if key(r) not in {key(n) for n in new}] + new
+                    print(new, flush=True)
+                    text = write(args.out, rows, commands)  # after every run: a partial table survives
     print(text)
 
 

@@ -128,6 +128,8 @@ def worker(rank: int, out: str, folders: dict[str, str], scenarios: list[dict[st
                 "scenario": asdict(scenario), "losses": losses, "grads": grads, "patched": patched,
                 "head_partitioned": scenario.stage == 3 and head.numel() == 0 and head.ds_numel > 0,
                 "tied": head is inner.get_input_embeddings().weight,
+                # ZeRO-3 gathers a parameter registered with the root for the root's whole step
+                "head_on_root": id(head) in getattr(inner, "_external_params", {}),
             }
             if patched:
                 engine.revert(inner)

@@ -97,10 +97,33 @@ def worker(rank: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def train_with_grads(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], list[dict]]:
+    """Like :func:`train`, also keeping every parameter's full gradient (gathered from the shards) per step."""
+    from torch.distributed.tensor import DTensor
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append({n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                      for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
 def fused_head_worker(rank: int, out: str) -> None:
-    """Unpatched vs ``fused_cross_entropy=True`` under FSDP2, tied and untied embeddings: losses per step."""
+    """Unpatched vs ``fused_cross_entropy=True`` under FSDP2, tied and untied: losses and full gradients per step.
+
+    Untied, ``lm_head`` is its own FSDP unit (whole only inside its own forward and backward: the
+    fused kernel runs as that forward); tied, it shares its weight with the embedding and stays in
+    the root's unit.
+    """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from conftest import tiny_for
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import engine
 
@@ -109,14 +132,20 @@ def fused_head_worker(rank: int, out: str) -> None:
     try:
         results = {}
         for tied in (True, False):
-            losses = []
+            runs = []
             for fused in (False, True):
                 model = tiny_for("qwen3", tie_word_embeddings=tied)
                 assert (model.lm_head.weight is model.get_input_embeddings().weight) is tied
                 if fused:
                     engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
-                losses.append(train(shard(model), batches_for(rank)))
-            results["tied" if tied else "untied"] = losses
+                for layer in model.model.layers:
+                    fully_shard(layer)
+                if not tied:
+                    fully_shard(model.lm_head)
+                fully_shard(model)
+                assert isinstance(model.lm_head, FSDPModule) is not tied
+                runs.append(train_with_grads(model, batches_for(rank)))
+            results["tied" if tied else "untied"] = runs
         torch.save(results, f"{out}/fused{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -35,10 +35,22 @@ def test_fsdp2_patched_trains_like_unpatched_and_checkpoint_loads_unpatched(tmp_
 
 
 def test_fsdp2_fused_head_trains_like_unpatched_tied_and_untied(tmp_path) -> None:
-    """The fused head under FSDP2 (the tied weight's two gradients share one buffer on the unsharded parameter)."""
+    """The fused head under FSDP2: untied with ``lm_head`` its own unit (gathered by its own hooks for the
+    kernel only), tied in the root's unit (the weight's two gradients share one buffer): the unpatched
+    losses and full gradients."""
     mp.spawn(fused_head_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
-    for r in range(WORLD):
-        results = torch.load(tmp_path / f"fused{r}.pt")
-        for embeddings, (unpatched, fused) in results.items():
+    ranks = [torch.load(tmp_path / f"fused{r}.pt") for r in range(WORLD)]
+    for results in ranks:
+        for embeddings, ((unpatched, ref_grads), (fused, grads)) in results.items():
             assert len(fused) == 3
             assert max(abs(a - b) for a, b in zip(unpatched, fused)) <= TOL, (embeddings, unpatched, fused)
+            for step, (ref, got) in enumerate(zip(ref_grads, grads)):
+                assert ref.keys() == got.keys() and ref
+                worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
+                assert worst <= TOL, (embeddings, step, worst)
+                assert got.get("lm_head.weight", got["model.embed_tokens.weight"]).abs().max() > 0
+    # the gradients compared are the reduced ones: equal on both ranks, whose batches differ
+    for embeddings in ranks[0]:
+        assert ranks[0][embeddings][1][0] != ranks[1][embeddings][1][0]
+        for a, b in zip(ranks[0][embeddings][1][1], ranks[1][embeddings][1][1]):
+            assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

@@ -10,12 +10,9 @@ for an untied input embedding (``[V, H]``, as large as the head) would keep it g
 root's whole forward and backward, for nothing. :func:`peek` reads the parameter object without
 DeepSpeed's getter.
 
-The head itself is read where the kernel needs it, and ZeRO-3 gathers it then; it is registered
-with the root model, so from the second step on it is gathered when the root's forward starts
-(benchmarks/deepspeed_zero3.py measures what that costs). Gathering it only around the kernel
-(``deepspeed.zero.GatheredParameters``) was tried: the head's gradient, computed in the forward,
-then reaches a parameter that is partitioned again by the backward, which DeepSpeed's gradient
-hooks reject (a size mismatch in ``backward``).
+The head itself is read inside its own forward: the fused kernel runs as ``lm_head``'s forward
+where ZeRO-3 partitions it (:mod:`engine.ops.sharded_head`), so the head's hooks gather it for the
+kernel and again for its backward, and it is never registered with the root.
 """
 
 from __future__ import annotations

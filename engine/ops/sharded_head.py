@@ -1,0 +1,76 @@
+"""The fused head's kernel run as ``lm_head``'s own forward, where ZeRO-3 or FSDP2 shards the head.
+
+Why: a sharded head is whole only while its module's forward (and, again, its backward) runs.
+DeepSpeed ZeRO-3 gathers a module's parameters in its forward pre-hook, partitions them in its
+forward hook, and wraps the module's outputs (inputs) in autograd functions whose backward
+gathers them again before the module's backward (releases them after). FSDP2's ``fully_shard``
+does the same with unshard / reshard and its pre- and post-backward hooks. The fused head never
+calls ``lm_head``: it reads the weight and computes the loss (and, chunk by chunk, the weight's
+gradient) itself. Read outside the head's forward, ZeRO-3 gathers the weight and registers it
+with the root model, which then holds the whole head from its forward's start to the end of its
+backward; FSDP2 hands a sharded ``DTensor`` where the head is its own unit.
+
+So where the head is sharded, the kernel runs *as* the head's forward: :func:`call_as_forward`
+installs it as the module's ``forward`` for one call, so the head's hooks gather it for the
+kernel, release it after, and gather it again for the backward, where the gradient formed in the
+forward (held in the kernel's autograd node, not in the parameter) reaches the whole parameter,
+as ZeRO-3's gradient hooks and FSDP2's reduce-scatter expect. (``deepspeed.zero.GatheredParameters``
+around the kernel gathers it for the forward only: the gradient then reaches a partitioned
+parameter, which DeepSpeed's backward rejects.) Elsewhere (no sharding, or FSDP2 with the head in
+the root's unit, unsharded for the root's whole forward) the kernel runs directly, as before:
+the head's other hooks (a user's forward hook that expects logits, accelerate's offload hooks)
+never see a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from engine.ops.zero3 import peek
+
+__all__ = ["call_as_forward", "is_sharded_head"]
+
+_MISSING = object()
+
+
+def _zero3_partitioned(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` or of its submodules (a LoRA's base layer) is a ZeRO-3 parameter."""
+    for sub in module.modules():
+        for name in sub.__dict__.get("_parameters", {}):
+            if hasattr(peek(sub, name), "ds_id"):  # peek: the check itself must not gather
+                return True
+    return False
+
+
+def _fsdp2_unit(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` itself (not only to a module around it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def is_sharded_head(head: nn.Module) -> bool:
+    """Whether ``head`` is whole only inside its own forward: partitioned by ZeRO-3, or an FSDP2 unit."""
+    return _zero3_partitioned(head) or _fsdp2_unit(head)
+
+
+def call_as_forward(module: nn.Module, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` run as ``module``'s forward, through ``module.__call__`` and so through its hooks.
+
+    The module's own ``forward`` (a class method, or an instance attribute an engine or
+    accelerate installed) is back in place afterwards, also when ``function`` raises.
+    """
+    saved = module.__dict__.get("forward", _MISSING)
+    module.forward = function  # type: ignore[method-assign]  (an instance attribute: nn.Module.__call__ reads it)
+    try:
+        return module(*args)
+    finally:
+        if saved is _MISSING:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = saved
