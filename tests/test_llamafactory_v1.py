@@ -30,7 +30,7 @@ pytest.importorskip(
     reason="LlamaFactory is not installed here; .ci/llamafactory runs this file in its own venv "
     "(llamafactory==0.9.5 pins transformers<=5.6.0, trl<=0.24, peft<=0.18.1)",
 )
-from test_llamafactory import write_tiny  # the same tiny Qwen3, tokenizer and alpaca rows
+from tiny_sft_folder import write_tiny  # the tiny Qwen3, tokenizer and alpaca rows of the v0 test
 
 from engine.integrations import llamafactory as lf
 

@@ -227,4 +227,7 @@ def run(verb: str, args: Mapping[str, Any]) -> Settings | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MissingDependency as exc:  # one line saying what to install, not a traceback
+        raise SystemExit(f"{type(exc).__name__}: {exc}") from None
