@@ -191,3 +191,13 @@ def test_several_processes_start_torchrun_on_this_launcher(monkeypatch) -> None:
     assert "29555" in command
     monkeypatch.setenv("LOCAL_RANK", "0")  # inside a torchrun worker: train here
     assert lf._torchrun_args("sft", ["cfg.yaml"]) is None
+
+
+def test_run_from_python_checks_the_same_settings(tiny, tmp_path, no_model_built) -> None:
+    """``run("sft", config_dict)``: the same checks as the launcher, before LlamaFactory builds anything."""
+    config = yaml.safe_load(write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": "qwen3_typo"},
+                                         lora=False).read_text())
+    with pytest.raises(PatchsetError, match="no patchset 'qwen3_typo'"):
+        lf.run("sft", config)
+    with pytest.raises(InvalidArgument, match="one of 'sft', 'train', 'rm'"):
+        lf.run("chat", config)
