@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,11 +23,11 @@ from typing import Any
 import pytest
 import yaml
 from conftest import ROOT
-from transformers import PreTrainedTokenizerFast, TrainerCallback
+from tiny_sft_folder import write_tiny
+from transformers import TrainerCallback
 
 from engine.errors import ModelTypeMismatch, PatchsetError, VerificationFailed
 from engine.loader import load_patchset
-from engine.tiny import build_tiny_model
 
 pytest.importorskip(
     "llamafactory",
@@ -59,37 +58,6 @@ class LossRecorder(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
-
-
-def _alpaca_rows() -> list[dict[str, str]]:
-    return [{"instruction": f"Add {a} and {b}.", "input": "", "output": f"{a} plus {b} is {a + b}."}
-            for a in range(4) for b in range(4)]
-
-
-def _byte_level_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
-    """A small byte-level BPE with Qwen's chat tokens as specials: any text encodes, nothing is downloaded."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-
-
-def write_tiny(root: Path) -> Path:
-    """Write ``model/`` (tiny perturbed Qwen3 + tokenizer) and ``data/`` (alpaca JSON + dataset_info.json) into ``root``."""
-    rows = _alpaca_rows()
-    (root / "data").mkdir()
-    (root / "data" / "tiny_sft.json").write_text(json.dumps(rows))
-    (root / "data" / "dataset_info.json").write_text(json.dumps({"tiny_sft": {"file_name": "tiny_sft.json"}}))
-    tokenizer = _byte_level_tokenizer([r["instruction"] + " " + r["output"] for r in rows] + ["system user assistant"])
-    tokenizer.save_pretrained(root / "model")
-    model = build_tiny_model("qwen3", {"head_dim": 16, "vocab_size": len(tokenizer)}, seed=0)
-    model.save_pretrained(root / "model")
-    return root
 
 
 @pytest.fixture(scope="module")

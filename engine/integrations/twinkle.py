@@ -1,0 +1,168 @@
+"""twinkle (``twinkle-kit``): a patchset as a twinkle ``Patch``, and as a ``kernelize`` mapping entry.
+
+twinkle changes models through two documented doors, and a patchset fits both:
+
+* ``TransformersModel.apply_patch(patch)`` calls ``patch(model)``; ``twinkle.patch.apply_context``
+  calls ``patch.unpatch(model)`` on exit. :class:`PatchsetPatch` is a ``twinkle.patch.Patch``
+  whose call is :func:`engine.apply` (for training) and whose ``unpatch`` is :func:`engine.revert`::
+
+      model = TransformersModel(model_id="Qwen/Qwen3-0.6B")
+      model.apply_patch(PatchsetPatch("qwen3", verify=True))
+
+  (``model.apply_patch(PatchsetPatch, patchset="qwen3")`` works too: twinkle builds the class
+  with no arguments and passes the keywords to the call.)
+* ``twinkle.kernel.kernelize(model, mapping)`` installs a mapping of targets to kernel choices,
+  each through an installer. :func:`kernel_mapping` returns one entry, ``{"patch_engine":
+  KernelChoice(...)}``, whose installer applies the patchset; use it *instead of* the default
+  mapping's entries for the same family (both would replace the same modules)::
+
+      kernelize(model.model, kernel_mapping("qwen3"))
+
+The patchset is loaded when the patch or the entry is made, so a misspelt name fails there,
+before any model is touched (``kernelize`` would otherwise log a failed load and go on).
+
+Why the fused head is refused: twinkle's ``TransformersModel.forward`` takes the labels out of
+the batch and computes log-probabilities from ``outputs['logits']`` itself; it fuses the head
+with Liger through its own ``task='fused_lm_ce'``. The engine's fused head would never see
+labels, so ``fused_cross_entropy=True`` is refused and patchsets are applied without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import InvalidArgument, MissingDependency, TrainerConflict
+
+__all__ = ["PLUGIN_NAME", "kernel_mapping"]  # and PatchsetPatch, built on first use (see __getattr__)
+
+#: The op, backend and logical target name of the kernelize entry.
+PLUGIN_NAME = "patch_engine"
+INSTALL = 'pip install "twinkle-kit==0.5.1"'
+
+_classes: dict[str, type] = {}
+
+
+def _twinkle(module: str) -> Any:
+    """Import a twinkle module, or say what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependency(
+            f"engine.integrations.twinkle needs twinkle (the twinkle-kit package, {module}): {INSTALL} "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def __getattr__(name: str) -> Any:
+    """``PatchsetPatch`` subclasses twinkle's ``Patch``, so it is built on first use (importing twinkle takes seconds)."""
+    if name != "PatchsetPatch":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _classes:
+        base = _twinkle("twinkle.patch.base").Patch
+        _classes[name] = type(name, (_PatchsetPatchMixin, base), {"__module__": __name__, "__doc__": _PatchsetPatchMixin.__doc__})
+    return _classes[name]
+
+
+def _load(patchset: Any, fused_cross_entropy: Any) -> Any:
+    """The patchset, loaded now (bad names fail here), and the fused head refused (see the module docstring)."""
+    if fused_cross_entropy not in (None, False):
+        raise TrainerConflict(
+            "fused_cross_entropy cannot run under twinkle: TransformersModel.forward takes the labels out of the "
+            "batch and computes log-probabilities from the logits itself; use twinkle's task='fused_lm_ce' (Liger)"
+        )
+    if patchset is None:
+        return None
+    from engine.loader import load_patchset
+
+    return load_patchset(patchset)
+
+
+def _model_type_patchset(model: Any) -> str:
+    from engine.wrappers import unwrap
+
+    model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
+    if model_type is None:
+        raise InvalidArgument("PatchsetPatch: the model has no config.model_type; name the patchset")
+    return model_type
+
+
+class _PatchsetPatchMixin:
+    """A patchset as a twinkle ``Patch``: ``__call__`` applies it for training, ``unpatch`` reverts it.
+
+    Args:
+        patchset: a bundled name, a path, a dict or a ``Patchset``; ``None``: the bundled patchset
+            named after the model's ``model_type``.
+        verify: compare every patched module with its original forward once, when applying.
+        mode: ``"training"`` (default: kernels with a backward) or ``"inference"``.
+        fused_cross_entropy: only ``None``/``False`` (see the module docstring).
+
+    Attributes:
+        report: the :class:`engine.report.Report` of the last apply (``None`` before).
+    """
+
+    def __init__(self, patchset: Any = None, *, verify: bool = False, mode: str = "training",
+                 fused_cross_entropy: Any = None) -> None:
+        self.patchset = _load(patchset, fused_cross_entropy)
+        self.verify = verify
+        self.mode = mode
+        self.report: Any = None
+
+    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        """Apply to ``module`` (the HF model ``apply_patch`` hands over); keywords override the constructor's.
+
+        Returns the :class:`engine.report.Report`.
+        """
+        from engine.api import apply
+
+        patchset = _load(kwargs.pop("patchset", None), kwargs.pop("fused_cross_entropy", None)) or self.patchset
+        verify = kwargs.pop("verify", self.verify)
+        mode = kwargs.pop("mode", self.mode)
+        if kwargs or args:
+            raise InvalidArgument(f"PatchsetPatch: unknown arguments {list(args)} {sorted(kwargs)}; "
+                                  "it takes patchset, verify, mode, fused_cross_entropy")
+        self.report = apply(module, patchset or _model_type_patchset(module), mode=mode, verify=verify,
+                            fused_cross_entropy=False)
+        return self.report
+
+    def unpatch(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        """Put the original forwards back (:func:`engine.revert`); a model that is not patched is left alone."""
+        from engine.api import is_patched, revert
+
+        if is_patched(module):
+            revert(module)
+
+
+def _register_op() -> None:
+    """Register the ``patch_engine`` op with kernelize's registry (once); its one backend is always available."""
+    registry = _twinkle("twinkle.kernel.registry")
+    if PLUGIN_NAME not in registry._OPS:
+        registry.register_op(PLUGIN_NAME, implementations={
+            PLUGIN_NAME: registry.KernelImpl(load=lambda target: PLUGIN_NAME, available=lambda: (True, None)),
+        })
+
+
+class _Installer:
+    """kernelize's installer for the entry: ``(model, target, impl)`` -> apply the patchset to ``model``."""
+
+    def __init__(self, patch: Any) -> None:
+        self.patch = patch
+        self.__name__ = f"patch_engine({patch.patchset.name if patch.patchset is not None else 'model_type'})"
+
+    def __call__(self, model: Any, target: Any, impl: Any) -> bool:
+        self.patch(model)
+        return True
+
+
+def kernel_mapping(patchset: Any = None, *, verify: bool = False, mode: str = "training",
+                   fused_cross_entropy: Any = None) -> dict[str, Any]:
+    """A ``kernelize`` mapping with one entry that applies ``patchset`` (arguments as :class:`PatchsetPatch`).
+
+    The entry's installer keeps the :class:`PatchsetPatch` it applies:
+    ``mapping["patch_engine"].installer.patch.report`` is the report after ``kernelize``.
+    """
+    KernelChoice = _twinkle("twinkle.kernel").KernelChoice
+    _register_op()
+    patch = __getattr__("PatchsetPatch")(patchset, verify=verify, mode=mode, fused_cross_entropy=fused_cross_entropy)
+    return {PLUGIN_NAME: KernelChoice(op=PLUGIN_NAME, backends=(PLUGIN_NAME,), installer=_Installer(patch))}

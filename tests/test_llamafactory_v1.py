@@ -1,0 +1,203 @@
+"""LlamaFactory's v1 SFT (``USE_V1=1``) with the ``patch_engine`` kernel plugin, through our launcher.
+
+The recipe of docs/training.md ("LlamaFactory v1"): the user's v1 YAML with
+``kernel_config: {name: patch_engine, ...}``, run by ``python -m engine.integrations.llamafactory
+sft cfg.yaml``, which registers the plugin and runs LlamaFactory's own v1 entry point. Everything
+below runs LlamaFactory v1 for real (its ``get_args``, ``DataEngine`` with the alpaca converter,
+``qwen3_nothink`` renderer, ``ModelEngine`` with its LoRA plugin, ``SFTTrainer.fit``) on a tiny
+perturbed Qwen3 saved to a folder (the one tests/test_llamafactory.py writes), offline, fp32 on the
+CPU. Losses are read from the ``trainer_log.jsonl`` LlamaFactory's logging callback writes. The
+unpatched baseline is the same launcher and YAML without ``kernel_config``.
+
+Runs in the LlamaFactory venv (``.ci/llamafactory``); skipped in the main venv.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from engine.errors import InvalidArgument, PatchsetError, TrainerConflict, VerificationFailed
+from engine.loader import load_patchset
+
+pytest.importorskip(
+    "llamafactory.v1",
+    reason="LlamaFactory is not installed here; .ci/llamafactory runs this file in its own venv "
+    "(llamafactory==0.9.5 pins transformers<=5.6.0, trl<=0.24, peft<=0.18.1)",
+)
+from tiny_sft_folder import write_tiny  # the tiny Qwen3, tokenizer and alpaca rows of the v0 test
+
+from engine.integrations import llamafactory as lf
+
+STEPS = 4
+#: 9 RMSNorms (2 layers x 4, plus the final one), 2 MLPs, rope: what the qwen3 patchset patches.
+PATCHED_MODULES = 12
+TOLERANCE = 1e-6  # the torch kernels (conftest sets PATCH_ENGINE_COMPILE=0): bit-equal in practice
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = write_tiny(tmp_path_factory.mktemp("llamafactory_v1"))
+    info = {"tiny_sft": {"path": str(root / "data" / "tiny_sft.json"), "source": "local", "converter": "alpaca"}}
+    (root / "data" / "v1_dataset.yaml").write_text(yaml.safe_dump(info))
+    return root
+
+
+def write_config(tiny: Path, folder: Path, kernel_config: dict[str, Any] | None, *, lora: bool) -> Path:
+    """A v1 SFT YAML for the tiny model, as a user writes one (plus ``kernel_config`` when given)."""
+    config: dict[str, Any] = {
+        "model": str(tiny / "model"), "template": "qwen3_nothink", "train_dataset": str(tiny / "data" / "v1_dataset.yaml"),
+        "output_dir": str(folder / "out"), "micro_batch_size": 4, "global_batch_size": 4, "cutoff_len": 64,
+        "learning_rate": 1e-2, "max_steps": STEPS, "bf16": False, "batching_workers": 0, "logging_steps": 1,
+        "seed": 0,
+    }
+    if lora:
+        config["peft_config"] = {"name": "lora", "r": 8, "target_modules": "all"}
+    if kernel_config is not None:
+        config["kernel_config"] = kernel_config
+    path = folder / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train(config: Path, *overrides: str) -> list[float]:
+    """``python -m engine.integrations.llamafactory sft CONFIG`` (in process); the logged per-step losses."""
+    lf.last_report = None
+    lf.main(["sft", str(config), *overrides])
+    gc.collect()  # a patched model holds its function router until collected (conftest explains)
+    log = Path(yaml.safe_load(config.read_text())["output_dir"]) / "trainer_log.jsonl"
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    """Unpatched losses: the same launcher, the YAML without ``kernel_config``."""
+    runs = {}
+    for kind in ("full", "lora"):
+        losses = train(write_config(tiny, tmp_path_factory.mktemp(f"v1_{kind}"), None, lora=kind == "lora"))
+        assert len(losses) == STEPS and lf.last_report is None
+        runs[kind] = losses
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, kind) -> None:
+    """Full: ``kernel_config: {name: patch_engine, verify: true}``, the patchset named after the model type.
+
+    LoRA: ``patchset: qwen3`` named, v1's default ``lora_dropout: 0.05`` kept: the patched run must
+    draw the same dropout masks.
+    """
+    kernel_config = {"name": "patch_engine", "verify": True} if kind == "full" else {
+        "name": "patch_engine", "patchset": "qwen3"}
+    losses = train(write_config(tiny, tmp_path, kernel_config, lora=kind == "lora"))
+    report = lf.last_report
+    assert report is not None and report.patchset == "qwen3" and len(report.patched) == PATCHED_MODULES, str(report)
+    assert report.mode == "training"
+    if kind == "full":
+        assert report.verification.passed
+    expected = baseline[kind]
+    assert expected[-1] < expected[0], f"the baseline did not train: {expected}"
+    diffs = [abs(a - b) for a, b in zip(losses, expected, strict=True)]
+    assert max(diffs) <= TOLERANCE, f"patched {losses} vs unpatched {expected}"
+
+
+def _wrong_scale(folder: Path) -> str:
+    """The bundled qwen3 patchset copied to a file with its norms' ``scale`` flipped to ``one_plus_weight``."""
+    wrong = load_patchset("qwen3").model_dump(mode="json", exclude_none=True)
+    for patch in wrong["patches"]:
+        if patch["op"] == "rms_norm":
+            patch["scale"] = "one_plus_weight"
+    path = folder / "qwen3_wrong_scale.yaml"
+    path.write_text(yaml.safe_dump(wrong))
+    return str(path)
+
+
+def test_a_wrong_declaration_is_refused_before_step_one(tiny, tmp_path) -> None:
+    config = write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": _wrong_scale(tmp_path), "verify": True},
+                          lora=False)
+    with pytest.raises(VerificationFailed, match="Qwen3RMSNorm"):
+        train(config)
+    assert not (tmp_path / "out" / "trainer_log.jsonl").exists()  # no step was logged
+    gc.collect()
+
+
+@pytest.fixture
+def no_model_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard, not a stand-in: building a model at all fails the test."""
+    from llamafactory.v1.core import model_engine
+
+    def built(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("LlamaFactory built a model")
+
+    monkeypatch.setattr(model_engine.ModelEngine, "__init__", built)
+
+
+@pytest.mark.parametrize(("kernel_config", "error", "match"), [
+    ({"name": "patch_engine", "patchset": "qwen3_typo"}, PatchsetError, "no patchset 'qwen3_typo'"),
+    ({"name": "patch_engine", "patchsets": "qwen3"}, InvalidArgument, r"unknown key\(s\) \['patchsets'\]"),
+    ({"name": "patch_engine", "verify": "yes"}, InvalidArgument, "verify is true or false"),
+    ({"name": "patch_engine", "include_kernels": "rms_norm"}, InvalidArgument, "applied whole"),
+    ({"name": "patch_engine", "fused_cross_entropy": True}, TrainerConflict, "outputs.logits"),
+])
+def test_bad_settings_stop_before_the_model_is_loaded(tiny, tmp_path, no_model_built, kernel_config, error, match):
+    """Checked by the launcher when it reads the YAML: LlamaFactory builds nothing."""
+    with pytest.raises(error, match=match):
+        train(write_config(tiny, tmp_path, kernel_config, lora=False))
+
+
+def test_settings_from_command_line_overrides(tiny, tmp_path, no_model_built) -> None:
+    """``key=value`` overrides reach the plugin as v1 reads them (``kernel_config.patchset=...``)."""
+    config = write_config(tiny, tmp_path, {"name": "patch_engine"}, lora=False)
+    with pytest.raises(PatchsetError, match="no patchset 'qwen3_typo'"):
+        train(config, "kernel_config.patchset=qwen3_typo")
+    with pytest.raises(AssertionError, match="built a model"):  # accepted: LlamaFactory goes on to build it
+        train(config, "kernel_config.patchset=llama", "kernel_config.verify=true")
+    assert lf._settings.patchset.name == "llama" and lf._settings.verify is True
+
+
+def test_llamafactory_alone_does_not_know_the_plugin(tiny, tmp_path, monkeypatch) -> None:
+    """Why a launcher: v1 imports no user code, so without ours the name is LlamaFactory's own error."""
+    from llamafactory.v1.plugins.model_plugins.kernels.interface import KernelPlugin
+
+    monkeypatch.setitem(KernelPlugin._registry, "patch_engine", {})
+    with pytest.raises(ValueError, match="Method __call__ of plugin patch_engine is not registered"):
+        KernelPlugin("patch_engine")(model=None, include_kernels=None)
+
+
+@pytest.mark.slow
+def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> None:
+    """The equality above can fail: unverified, the flipped ``scale`` trains with other losses from step 1."""
+    config = write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": _wrong_scale(tmp_path)}, lora=False)
+    losses = train(config)
+    assert len(lf.last_report.patched) == PATCHED_MODULES
+    assert abs(losses[0] - baseline["full"][0]) > 1e-2, f"wrong scale {losses} vs unpatched {baseline['full']}"
+
+
+def test_several_processes_start_torchrun_on_this_launcher(monkeypatch) -> None:
+    """Where LlamaFactory's ``launch()`` would start ``torchrun`` on its own script, ours starts it on this module."""
+    monkeypatch.setenv("FORCE_TORCHRUN", "1")
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    command = lf._torchrun_args("sft", ["cfg.yaml", "learning_rate=1e-5"])
+    assert command[:3] == ["torchrun", "--nproc-per-node", "2"]
+    assert command[-5:] == ["-m", "engine.integrations.llamafactory", "sft", "cfg.yaml", "learning_rate=1e-5"]
+    assert "29555" in command
+    monkeypatch.setenv("LOCAL_RANK", "0")  # inside a torchrun worker: train here
+    assert lf._torchrun_args("sft", ["cfg.yaml"]) is None
+
+
+def test_run_from_python_checks_the_same_settings(tiny, tmp_path, no_model_built) -> None:
+    """``run("sft", config_dict)``: the same checks as the launcher, before LlamaFactory builds anything."""
+    config = yaml.safe_load(write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": "qwen3_typo"},
+                                         lora=False).read_text())
+    with pytest.raises(PatchsetError, match="no patchset 'qwen3_typo'"):
+        lf.run("sft", config)
+    with pytest.raises(InvalidArgument, match="one of 'sft', 'train', 'rm'"):
+        lf.run("chat", config)
