@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ class Settings:
     fused_cross_entropy: bool | None = None
 
     @classmethod
-    def from_env(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Read and check the variables; a bad value is an :class:`InvalidArgument` naming the variable."""
         env = os.environ if environ is None else environ
         patchset = env.get("PATCH_ENGINE_PATCHSET") or None
