@@ -58,7 +58,7 @@ def config(tiny: Path, out: Path, adapter: str | None, **ours: Any) -> Path:
         "sample_packing": False, "micro_batch_size": 4, "gradient_accumulation_steps": 1, "num_epochs": 1,
         "max_steps": STEPS, "learning_rate": 0.01, "lr_scheduler": "constant", "optimizer": "adamw_torch",
         "warmup_steps": 0, "logging_steps": 1, "save_strategy": "no", "output_dir": str(out / "out"),
-        "bf16": False, "fp16": False, "tf32": False, "seed": 0, "dataloader_num_workers": 0,
+        "bf16": False, "fp16": False, "tf32": False, "seed": 0, "dataloader_num_workers": 0, "dataset_num_proc": 1,
     }
     if adapter == "lora":
         cfg.update(adapter="lora", lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_linear=True,
@@ -122,6 +122,34 @@ def test_patched_losses_equal_unpatched(tiny, tmp_path, baseline, adapter, ours)
     assert expected[-1] < expected[0], f"the baseline did not train: {expected}"
     diffs = [abs(a - b) for a, b in zip(losses, expected, strict=True)]
     assert max(diffs) <= TOLERANCE, f"patched {losses} vs unpatched {expected}"
+
+
+@needs_axolotl
+@pytest.mark.slow
+def test_the_fused_head_trains_like_the_unpatched_head(tiny, tmp_path, baseline) -> None:
+    """``patchset_fused_cross_entropy: true``: head + loss fused (chunked), the losses as unpatched to rounding."""
+    losses, plugin = axolotl_train(config(tiny, tmp_path, "full", patchset="qwen3", patchset_fused_cross_entropy=True))
+    assert any(d.op == "fused_linear_cross_entropy" and d.action == "patch" for d in plugin.report.decisions), str(
+        plugin.report)
+    diffs = [abs(a - b) for a, b in zip(losses, baseline["full"], strict=True)]
+    assert max(diffs) <= 1e-4, f"fused head {losses} vs unpatched {baseline['full']}"
+
+
+@needs_axolotl
+def test_a_fused_head_under_rl_is_refused_before_patching(tiny) -> None:
+    """``rl:`` trains with TRL's trainers, which compute the head themselves: refused, the model untouched."""
+    from axolotl.utils.dict import DictDefault
+    from transformers import AutoModelForCausalLM
+
+    from engine import is_patched
+    from engine.errors import TrainerConflict
+    from engine.integrations.axolotl import PatchsetPlugin
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model")
+    cfg = DictDefault(rl="dpo", patchset="qwen3", patchset_fused_cross_entropy=True)
+    with pytest.raises(TrainerConflict, match="rl: dpo"):
+        PatchsetPlugin().post_model_load(cfg, model)
+    assert not is_patched(model)
 
 
 @needs_axolotl

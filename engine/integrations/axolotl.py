@@ -31,10 +31,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, field_validator, model_validator
 from torch import nn
 
-from engine.api import apply
-from engine.errors import InvalidArgument, MissingDependency, PatchError
+from engine.api import apply, plan
+from engine.errors import InvalidArgument, MissingDependency, PatchError, TrainerConflict
 from engine.report import Report
 from engine.schema import FusedCrossEntropy
+from engine.wrappers import unwrap
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -121,11 +122,23 @@ class PatchsetPlugin(BasePlugin):
     def post_model_load(self, cfg: Any, model: nn.Module) -> None:
         """Patch ``model`` for training; a refusal (or a failed verification) stops axolotl before step 1."""
         patchset = _setting(cfg, "patchset") or _model_type(cfg, model)
-        self.report = apply(
-            model, patchset, mode="training", verify=_setting(cfg, "patchset_verify") or False,
-            fused_cross_entropy=_setting(cfg, "patchset_fused_cross_entropy"),
-        )
+        fused = _setting(cfg, "patchset_fused_cross_entropy")
+        _refuse_fused_head_under_trl(cfg, model, patchset, fused)
+        self.report = apply(model, patchset, mode="training", verify=_setting(cfg, "patchset_verify") or False,
+                            fused_cross_entropy=fused)
         LOG.info("patch-engine: %s", self.report)
+
+
+def _refuse_fused_head_under_trl(cfg: Any, model: nn.Module, patchset: str, fused: Any) -> None:
+    """``rl:`` runs TRL's trainers, which compute the head themselves (see :mod:`engine.ops.trl_head`)."""
+    rl = _setting(cfg, "rl")
+    if not rl:
+        return
+    the_plan = plan(unwrap(model), patchset, mode="training", fused_cross_entropy=fused)
+    if any(d.op == "fused_linear_cross_entropy" for d in the_plan.patched):
+        raise TrainerConflict(f"patchset {the_plan.patchset.name!r} with a fused head under `rl: {rl}`: axolotl trains "
+                              "with TRL's trainer, which computes the causal-LM head itself; set "
+                              "patchset_fused_cross_entropy: false")
 
 
 def _setting(cfg: Any, key: str) -> Any:
