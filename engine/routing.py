@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from engine.see_through import see_through
+
 __all__ = ["FunctionRouter", "acquire", "release", "router_for"]
 
 
@@ -58,7 +60,9 @@ class FunctionRouter:
         original, active, traced, observers = self.original, self.active, self.traced, self.observers
         compiling = torch.compiler.is_compiling
 
-        @functools.wraps(original)
+        # Looks like the function itself (its name, signature, ``__wrapped__``) even when the
+        # name holds a ``kernels`` ``Func`` module; calls and revert still use ``original``.
+        @functools.wraps(see_through(original))
         def routed(*args: Any, **kwargs: Any) -> Any:
             if compiling():
                 impl = traced[-1] if traced else None

@@ -1,0 +1,158 @@
+"""Train with a patchset under axolotl: a plugin line and a key in the YAML you already have.
+
+::
+
+    plugins:
+      - engine.integrations.axolotl.PatchsetPlugin
+    patchset: qwen3                    # a bundled name or a path; absent: the model's model_type
+    patchset_verify: true              # or "sample"; default false
+    patchset_fused_cross_entropy: true # or {kernel: ..., chunk_size: ...}; absent: the patchset's key
+
+and ``axolotl train config.yaml`` as usual. Why a plugin, the way axolotl's own Liger plugin
+is one: axolotl loads every class listed under ``plugins:`` before it validates the config,
+and merges the pydantic model each returns from ``get_input_args`` into its own config schema.
+So our keys are checked by axolotl's validation with everything else: a wrong type, an unknown
+patchset name or a misspelt ``patchset_*`` key stops ``axolotl train`` before the model loads.
+
+Why ``post_model_load`` and not Liger's ``pre_model_load``: Liger swaps classes in the modeling
+module before the model is built; the engine patches a built model, in place, and axolotl calls
+``post_model_load`` once the model is loaded *and* its adapters (LoRA) are attached, before the
+trainer is made (so before accelerate wraps it for FSDP/DDP and before any compile), which is
+the order the engine needs (docs/training.md). A ``PeftModel`` is patched as the transformers
+model inside it. The plan is always for training; the device is the model's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, field_validator, model_validator
+from torch import nn
+
+from engine.api import apply, plan
+from engine.errors import InvalidArgument, MissingDependency, PatchError, TrainerConflict
+from engine.report import Report
+from engine.schema import FusedCrossEntropy
+from engine.wrappers import unwrap
+
+try:
+    from axolotl.integrations.base import BasePlugin
+except ImportError as exc:  # pragma: no cover - the main suite tests this branch
+    raise MissingDependency(
+        f"engine.integrations.axolotl is an axolotl plugin and needs axolotl: pip install axolotl "
+        f"(0.21.0 tested; it declares Python >= 3.12) ({type(exc).__name__}: {exc})"
+    ) from exc
+
+__all__ = ["PatchsetArgs", "PatchsetPlugin"]
+
+LOG = logging.getLogger(__name__)
+
+#: The key prefix of this plugin's settings in an axolotl YAML.
+PREFIX = "patchset"
+
+
+class PatchsetArgs(BaseModel):
+    """This plugin's keys in an axolotl config (merged into axolotl's own schema by axolotl)."""
+
+    patchset: str | None = None
+    patchset_verify: bool | Literal["sample"] = False
+    patchset_fused_cross_entropy: bool | FusedCrossEntropy | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_misspelt_keys(cls, data: Any) -> Any:
+        """A ``patchset_*`` key that is not ours is a typo: refuse it (axolotl would keep it silently)."""
+        if isinstance(data, dict):
+            ours = set(cls.model_fields)
+            for key in data:
+                if isinstance(key, str) and key.startswith(PREFIX) and key not in ours:
+                    near = difflib.get_close_matches(key, sorted(ours), n=1)
+                    hint = f"; did you mean {near[0]!r}?" if near else ""
+                    raise ValueError(f"unknown key {key!r} for engine.integrations.axolotl.PatchsetPlugin "
+                                     f"(its keys: {', '.join(sorted(ours))}){hint}")
+        return data
+
+    @field_validator("patchset")
+    @classmethod
+    def _loads(cls, value: str | None) -> str | None:
+        """Load the patchset now, so a misspelt name or a schema error stops before the model loads."""
+        if value is not None:
+            from engine.loader import load_patchset
+
+            try:
+                load_patchset(value)
+            except PatchError as exc:
+                raise ValueError(f"patchset: {exc}") from exc
+        return value
+
+
+class PatchsetPlugin(BasePlugin):
+    """An axolotl plugin that patches the loaded (and adapter-wrapped) model with a patchset.
+
+    Attributes:
+        report: the :class:`~engine.report.Report` of the last apply (``None`` before).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.report: Report | None = None
+
+    def get_input_args(self) -> str:
+        return f"{__name__}.PatchsetArgs"
+
+    def register(self, cfg: Any) -> None:
+        """Before validation: keep axolotl from auto-enabling its LoRA kernels under a patchset.
+
+        For a LoRA/QLoRA config that sets none of ``lora_mlp_kernel``, ``lora_qkv_kernel``,
+        ``lora_o_kernel``, axolotl turns all three on; the MLP one replaces each MLP's instance
+        forward with its own Triton function, which the engine cannot patch beneath (it refuses
+        with ``ForwardWrapped``). Setting the MLP flag to ``false`` stops the auto-enabling (any
+        set flag does); set ``lora_qkv_kernel``/``lora_o_kernel: true`` to keep those two.
+        A config that sets ``lora_mlp_kernel: true`` itself is left as written (and refused).
+        """
+        if not isinstance(cfg, dict) or cfg.get("adapter") not in ("lora", "qlora"):
+            return
+        if all(cfg.get(flag) is None for flag in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")):
+            cfg["lora_mlp_kernel"] = False
+            LOG.warning("patch-engine: lora_mlp_kernel set to false (axolotl's LoRA MLP kernel replaces the MLP "
+                        "forward the patchset patches); axolotl's other LoRA kernels stay off unless set true")
+
+    def post_model_load(self, cfg: Any, model: nn.Module) -> None:
+        """Patch ``model`` for training; a refusal (or a failed verification) stops axolotl before step 1."""
+        patchset = _setting(cfg, "patchset") or _model_type(cfg, model)
+        fused = _setting(cfg, "patchset_fused_cross_entropy")
+        _refuse_fused_head_under_trl(cfg, model, patchset, fused)
+        self.report = apply(model, patchset, mode="training", verify=_setting(cfg, "patchset_verify") or False,
+                            fused_cross_entropy=fused)
+        LOG.info("patch-engine: %s", self.report)
+
+
+def _refuse_fused_head_under_trl(cfg: Any, model: nn.Module, patchset: str, fused: Any) -> None:
+    """``rl:`` runs TRL's trainers, which compute the head themselves (see :mod:`engine.ops.trl_head`)."""
+    rl = _setting(cfg, "rl")
+    if not rl:
+        return
+    the_plan = plan(unwrap(model), patchset, mode="training", fused_cross_entropy=fused)
+    if any(d.op == "fused_linear_cross_entropy" for d in the_plan.patched):
+        raise TrainerConflict(f"patchset {the_plan.patchset.name!r} with a fused head under `rl: {rl}`: axolotl trains "
+                              "with TRL's trainer, which computes the causal-LM head itself; set "
+                              "patchset_fused_cross_entropy: false")
+
+
+def _setting(cfg: Any, key: str) -> Any:
+    """``cfg[key]`` from axolotl's ``DictDefault`` (or any mapping / object), ``None`` when absent."""
+    if isinstance(cfg, dict):
+        return cfg.get(key)
+    return getattr(cfg, key, None)
+
+
+def _model_type(cfg: Any, model: nn.Module) -> str:
+    """No ``patchset:`` key: the bundled patchset named after the model's ``model_type``."""
+    config = getattr(model, "config", None)
+    model_type = _setting(cfg, "model_config_type") or getattr(config, "model_type", None)
+    if not model_type:
+        raise InvalidArgument("engine.integrations.axolotl.PatchsetPlugin: no `patchset:` key and no model_type "
+                         "to name one after; add `patchset: NAME` to the config")
+    return str(model_type)

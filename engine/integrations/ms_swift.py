@@ -1,0 +1,149 @@
+"""Train with a patchset under ms-swift: ``--external_plugins`` our plugin file, ``--callbacks patch_engine``.
+
+::
+
+    PATCH_ENGINE_PATCHSET=qwen3 PATCH_ENGINE_VERIFY=1 swift sft --model ... --dataset ... \\
+        --external_plugins "$(python -m engine.integrations.ms_swift --plugin-path)" \\
+        --callbacks patch_engine
+
+Why this shape: ms-swift's only hooks for user code are ``--external_plugins FILE.py`` (files it
+imports while parsing the arguments; it wants a *path*, not a module name) and ``--callbacks
+NAME`` (names looked up in ``swift.callbacks.callbacks_map`` and handed to its ``Trainer``); its
+argument parser refuses flags it does not know, so our settings come from the environment:
+
+* ``PATCH_ENGINE_PATCHSET``: a bundled name or a patchset path; unset: the bundled patchset named
+  after the model's ``model_type`` (``qwen3`` for a Qwen3 checkpoint).
+* ``PATCH_ENGINE_VERIFY``: ``1``/``true`` (verify every patched module against its original once,
+  before step 1), ``sample``, or ``0``/``false`` (the default).
+* ``PATCH_ENGINE_FUSED_CROSS_ENTROPY``: ``1``/``true`` or ``0``/``false`` (unset: the patchset's key).
+
+The plugin file (``engine/integrations/ms_swift_plugin/patch_engine_swift.py``) registers :class:`SwiftPatchsetCallback`
+under ``patch_engine``; ms-swift builds it with ``(args, trainer)`` as it builds its trainer, and
+the callback patches the trainer's model at ``on_init_end``: after ms-swift's LoRA wrapping,
+before ``train()`` wraps the model and before step 1, so a refusal stops the run before any step. The
+settings are read (and the patchset loaded) when the plugin file is imported, so a misspelt
+name stops ``swift sft`` at argument parsing, before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InvalidArgument, MissingDependency
+from engine.integrations.transformers import PatchsetCallback
+
+__all__ = ["CALLBACK_NAME", "Settings", "SwiftPatchsetCallback", "plugin_path", "register"]
+
+#: The ``--callbacks`` name the plugin file registers.
+CALLBACK_NAME = "patch_engine"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The patchset and options, read from ``PATCH_ENGINE_*`` environment variables."""
+
+    patchset: str | None = None
+    verify: bool | str = False
+    fused_cross_entropy: bool | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read and check the variables; a bad value is an :class:`InvalidArgument` naming the variable."""
+        env = os.environ if environ is None else environ
+        patchset = env.get("PATCH_ENGINE_PATCHSET") or None
+        verify_text = env.get("PATCH_ENGINE_VERIFY", "").strip().lower()
+        verify: bool | str = "sample" if verify_text == "sample" else _flag("PATCH_ENGINE_VERIFY", verify_text)
+        fused_text = env.get("PATCH_ENGINE_FUSED_CROSS_ENTROPY")
+        fused = None if fused_text is None else _flag("PATCH_ENGINE_FUSED_CROSS_ENTROPY", fused_text.strip().lower())
+        if patchset is not None:
+            from engine.loader import load_patchset
+
+            load_patchset(patchset)  # a misspelt name or a schema error stops here, before the model loads
+        return cls(patchset, verify, fused)
+
+
+def _flag(name: str, text: str) -> bool:
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise InvalidArgument(f"{name}={text!r}: expected 1/true or 0/false"
+                          + (" or sample" if name == "PATCH_ENGINE_VERIFY" else ""))
+
+
+class SwiftPatchsetCallback(PatchsetCallback):
+    """A :class:`PatchsetCallback` in ms-swift's callback shape, built with ``(args, trainer)``.
+
+    ms-swift builds its callbacks *before* calling ``transformers.Trainer.__init__`` (so that
+    ``on_init_end`` reaches them), when ``trainer.model`` does not exist yet; the patching
+    therefore happens at ``on_init_end`` as in :class:`PatchsetCallback`, on the model the
+    trainer holds (ms-swift's LoRA wrapping done), before ``train()`` and step 1.
+
+    Attributes:
+        settings: what was read from the environment when the plugin file was imported.
+    """
+
+    settings: Settings = Settings()
+
+    def __init__(self, args: Any, trainer: Any) -> None:
+        super().__init__(self.settings.patchset, verify=self.settings.verify,
+                         fused_cross_entropy=self.settings.fused_cross_entropy)
+        self.args = args
+        self.trainer = trainer
+
+    def _apply(self, args: Any, model: Any) -> None:
+        if model is not None and self.patchset is None:
+            self.patchset = _model_type(model)
+        super()._apply(args, model)
+
+
+def _model_type(model: Any) -> str:
+    from engine.wrappers import unwrap
+
+    model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
+    if not model_type:
+        raise InvalidArgument("ms-swift --callbacks patch_engine: the model has no config.model_type to name a "
+                              "patchset after; set PATCH_ENGINE_PATCHSET=NAME")
+    return str(model_type)
+
+
+def register(settings: Settings | None = None) -> None:
+    """Register :class:`SwiftPatchsetCallback` as ``--callbacks patch_engine`` in ms-swift.
+
+    Args:
+        settings: the patchset and options; ``None`` reads ``PATCH_ENGINE_*`` from the environment.
+    """
+    try:
+        from swift.callbacks import callbacks_map
+    except ImportError as exc:
+        raise MissingDependency(f"--callbacks {CALLBACK_NAME} is an ms-swift plugin and needs ms-swift: "
+                                f"pip install ms-swift (4.6.0 tested) ({type(exc).__name__}: {exc})") from exc
+    SwiftPatchsetCallback.settings = Settings.from_env() if settings is None else settings
+    callbacks_map[CALLBACK_NAME] = SwiftPatchsetCallback
+
+
+def plugin_path() -> Path:
+    """The file to pass to ``swift sft --external_plugins``."""
+    return Path(__file__).with_name("ms_swift_plugin") / "patch_engine_swift.py"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m engine.integrations.ms_swift --plugin-path``: print the plugin file's path."""
+    parser = argparse.ArgumentParser(prog="python -m engine.integrations.ms_swift", description=__doc__.split("\n")[0])
+    parser.add_argument("--plugin-path", action="store_true", help="print the file for swift's --external_plugins")
+    options = parser.parse_args(argv)
+    if not options.plugin_path:
+        parser.print_help()
+        return 2
+    print(plugin_path())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""What the tests of training stacks (axolotl, ms-swift) share: a tiny Qwen3 on disk, a loss recorder, a wrong patchset.
+
+The stacks load a model by path, so the model is a tiny perturbed Qwen3 written with
+``save_pretrained`` next to a byte-level BPE tokenizer built here (Qwen's chat tokens as
+specials: any text encodes, nothing is downloaded), and the data is a small alpaca JSON file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+from engine.loader import load_patchset
+from engine.tiny import build_tiny_model
+
+STEPS = 4
+#: Patched layers of a 2-layer Qwen3 under the bundled qwen3 patchset: 9 RMSNorms, 2 MLPs, 1 rope.
+PATCHED_MODULES = 12
+#: The kernels are the torch references (conftest sets PATCH_ENGINE_COMPILE=0): bit-equal in practice.
+TOLERANCE = 1e-6
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported here (without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
+
+class LossRecorder(TrainerCallback):
+    """Every logged training loss (``logging_steps: 1``: one per optimizer step)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+def alpaca_rows() -> list[dict[str, str]]:
+    return [{"instruction": f"Add {a} and {b}.", "input": "", "output": f"{a} plus {b} is {a + b}."}
+            for a in range(4) for b in range(4)]
+
+
+def byte_level_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE with Qwen's chat tokens as specials: any text encodes, nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def write_tiny(root: Path) -> Path:
+    """Write ``model/`` (tiny perturbed Qwen3 + tokenizer) and ``data/tiny_sft.json`` (alpaca rows) into ``root``."""
+    rows = alpaca_rows()
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "tiny_sft.json").write_text(json.dumps(rows))
+    tokenizer = byte_level_tokenizer([r["instruction"] + " " + r["output"] for r in rows] + ["system user assistant"])
+    tokenizer.save_pretrained(root / "model")
+    model = build_tiny_model("qwen3", {"head_dim": 16, "vocab_size": len(tokenizer)}, seed=0)
+    model.save_pretrained(root / "model")
+    return root
+
+
+def wrong_norms(folder: Path) -> str:
+    """The bundled qwen3 patchset, copied to a file, with its ``weight`` norms declared ``1 + weight``."""
+    wrong = load_patchset("qwen3").model_dump(mode="json", exclude_none=True)
+    for patch in wrong["patches"]:
+        if patch["op"] == "rms_norm":
+            patch["scale"] = "one_plus_weight"
+    path = folder / "qwen3_wrong_norm.yaml"
+    path.write_text(yaml.safe_dump(wrong))
+    return str(path)
