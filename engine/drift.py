@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.see_through import see_through
+
 __all__ = ["Param", "parse_signature", "signature_changes", "signature_text"]
 
 
@@ -79,8 +81,9 @@ def parse_signature(text: str) -> tuple[list[Param], str | None]:
 
 
 def signature_text(function: Callable[..., Any]) -> str:
-    """The signature of ``function`` (seen through decorators) as ``inspect`` prints it."""
-    return str(inspect.signature(function))
+    """The signature of ``function`` (seen through decorators, our router and ``kernels`` ``Func``
+    modules, whose own signature is ``(*args, **kwargs)``) as ``inspect`` prints it."""
+    return str(inspect.signature(see_through(function)))
 
 
 def signature_changes(expected: str, found: str) -> list[str]:

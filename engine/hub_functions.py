@@ -16,6 +16,8 @@ This module gives the engine two things:
   goes through :mod:`engine.routing`, so a *patched* model's own kernels still win). The
   verifier runs its unpatched reference under it; tests use it for the same reason.
 
+Both see through our router and HF ``kernels``' ``Func`` modules (:mod:`engine.see_through`),
+which transformers wraps around these wrappers too when ``kernels`` is installed.
 The wrapper is recognised by its closure (``torch_function`` and ``implementation``),
 i.e. by how transformers 5.x builds it; a test pins this against the installed version.
 """
@@ -29,6 +31,7 @@ from typing import Any
 from torch import nn
 
 from engine import routing
+from engine.see_through import see_through
 
 __all__ = ["bound_functions", "hub_binding", "torch_body", "torch_path"]
 
@@ -47,14 +50,9 @@ def _closure(fn: Any) -> dict[str, Any]:
     return out
 
 
-def _through_router(fn: Any) -> Any:
-    router = getattr(fn, "__patch_engine_router__", None)
-    return router.original if router is not None else fn
-
-
 def hub_binding(fn: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """``(torch_function, implementation)`` if ``fn`` is transformers' fallback wrapper, else ``None``."""
-    cells = _closure(_through_router(fn))
+    cells = _closure(see_through(fn))
     torch_fn, impl = cells.get("torch_function"), cells.get("implementation")
     if callable(torch_fn) and callable(impl):
         return torch_fn, impl
@@ -62,9 +60,9 @@ def hub_binding(fn: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | None
 
 
 def torch_body(fn: Any) -> Any:
-    """The torch function behind ``fn`` (``fn`` itself when it is not a bound wrapper)."""
+    """The torch function behind ``fn``: through our router, a ``kernels`` ``Func`` and transformers' binding."""
     binding = hub_binding(fn)
-    return binding[0] if binding is not None else _through_router(fn)
+    return binding[0] if binding is not None else see_through(fn)
 
 
 def _calls(cls: type) -> Iterator[tuple[dict[str, Any], str]]:

@@ -35,6 +35,7 @@ from engine.kernels.registry import KernelProvider
 from engine.ops.base import FunctionOp, ModuleOp, get_op
 from engine.placements import dtensor_parameter
 from engine.schema import Device, FunctionPatch, ModulePatch, Patchset
+from engine.see_through import see_through
 
 __all__ = ["Decision", "FunctionSite", "Mode", "Plan", "plan", "resolve_kernel"]
 
@@ -432,10 +433,10 @@ def _plan_function_patch(
 
 
 def _original_function(function: Callable[..., Any]) -> Callable[..., Any]:
-    """See through our own router, if another model already routes this function."""
-    router = getattr(function, "__patch_engine_router__", None)
-    return router.original if router is not None else function
+    """The function itself: through our own router (another model may route it already) and a
+    ``kernels`` ``Func`` module (see :mod:`engine.see_through`)."""
+    return see_through(function)
 
 
 def signature_of(function: Callable[..., Any]) -> str:
-    return str(inspect.signature(function))
+    return str(inspect.signature(see_through(function)))

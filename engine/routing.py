@@ -18,6 +18,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from engine.see_through import see_through
+
 __all__ = ["FunctionRouter", "acquire", "release", "router_for"]
 
 
@@ -35,7 +37,9 @@ class FunctionRouter:
         self.observers: list[Callable[[tuple[Any, ...], dict[str, Any]], None]] = []
         original, active, observers = self.original, self.active, self.observers
 
-        @functools.wraps(original)
+        # Looks like the function itself (its name, signature, ``__wrapped__``) even when the
+        # name holds a ``kernels`` ``Func`` module; calls and revert still use ``original``.
+        @functools.wraps(see_through(original))
         def routed(*args: Any, **kwargs: Any) -> Any:
             impl = active.get()
             if observers:

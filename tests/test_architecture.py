@@ -44,8 +44,10 @@ class Layer:
 #: Lowest first. A module may import modules of its own layer and of the layers above it in
 #: this list, never of a layer below it.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundation", ("engine.errors", "engine.drift", "engine.routing", "engine.kernel_names", "engine.versions"),
-          True, "error types, signature drift, function routing, the table of kernel names, installed versions"),
+    Layer("foundation", ("engine.errors", "engine.drift", "engine.routing", "engine.kernel_names", "engine.versions",
+                         "engine.see_through"),
+          True, "error types, signature drift, function routing, the table of kernel names, installed versions, "
+          "the function behind a router or a `kernels` wrapper"),
     Layer("vocabulary", ("engine.schema", "engine.schema_common"), True,
           "pydantic models of what a patchset may say"),
     Layer("loading", ("engine.loader", "engine.loader.*"), True,

@@ -37,6 +37,7 @@ import torch
 from engine.errors import SignatureMismatch
 from engine.ops.base import FunctionOp, register_op
 from engine.schema import RopeLayout, RopePatch
+from engine.see_through import see_through
 
 __all__ = [
     "RopeOp",
@@ -205,7 +206,7 @@ class RopeOp(FunctionOp):
         return build_reference(patch)
 
     def check_function(self, function: Callable[..., object], patch: RopePatch) -> None:
-        signature = inspect.signature(inspect.unwrap(function))
+        signature = inspect.signature(inspect.unwrap(see_through(function)))
         params = list(signature.parameters)
         where = f"rope (layout: {patch.layout.value}) cannot replace {patch.function}({', '.join(params)})"
         if patch.layout is RopeLayout.complex:
@@ -240,7 +241,7 @@ class RopeOp(FunctionOp):
         ``unsqueeze_dim`` is the function's own default; a function without the parameter is
         taken as the vision kind (``-2``), as every one in transformers is.
         """
-        signature = inspect.signature(inspect.unwrap(function))
+        signature = inspect.signature(inspect.unwrap(see_through(function)))
         param = signature.parameters.get("unsqueeze_dim")
         unsqueeze = param.default if param is not None and isinstance(param.default, int) else -2
         for layout in RopeLayout:
