@@ -79,7 +79,7 @@ def bundled_covering(model_type: str) -> VersionMismatch | None:
     for name in bundled_names():
         try:
             patchset = load_patchset(name)
-        except Exception:  # noqa: BLE001  (a broken bundled file is the loader tests' business, not this message's)
+        except Exception:  # noqa: BLE001, S112  (a broken bundled file is the loader tests' business, not this message's)
             continue
         if model_type in patchset.model_types:
             return _absent(name, model_type, patchset.requires.transformers if patchset.requires else None)
