@@ -66,11 +66,8 @@ def test_apply_and_verify_leave_the_random_states_unmoved() -> None:
     np.random.seed(3)
     before = torch.get_rng_state(), random.getstate(), np.random.get_state()
     engine.apply(model, "qwen3", device="cpu", mode="training", verify=True)
-    try:
-        engine.verify(model)
-    finally:
-        engine.revert(model)
-    engine.verify(model, "qwen3", mode="training")  # the patch-verify-revert form
+    engine.revert(model)
+    engine.verify(model, "qwen3", mode="training", check_model=False)  # the patch-verify-revert form
     assert torch.equal(torch.get_rng_state(), before[0])
     assert random.getstate() == before[1]
     after = np.random.get_state()
