@@ -197,6 +197,11 @@ def run_cli(name: str | None, gguf: str | None, model_path: str | None, patchset
     """What ``patch-engine bench --checkpoint/--gguf/--model`` does: measure, write JSON and a cpu.md section."""
     from engine.results_sections import write_section
 
+    if patchset is not None:  # the version refusal comes before the checkpoint is loaded
+        from engine.loader import load_patchset
+        from engine.release import check_release
+
+        check_release(load_patchset(patchset))
     if name is not None:
         gguf = str(checkpoint_file(name))
     model = load(model_path, gguf)

@@ -217,6 +217,7 @@ def verify_checkpoint_files(
     """
     from engine.devices import as_device, require_present
     from engine.loader import load_patchset
+    from engine.release import check_release
 
     if text is not None and not Path(text).is_file():
         raise InvalidArgument(f"--text {text}: no such file")
@@ -225,6 +226,7 @@ def verify_checkpoint_files(
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     ps = load_patchset(patchset)
+    check_release(ps)  # before the checkpoint is loaded
     dev = as_device(device or "cpu")
     require_present(dev)
     loaded, tokenizer = load_checkpoint(model, gguf=gguf, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)

@@ -108,9 +108,11 @@ def tiny_model_type(patchset: Patchset) -> str:
 
 def _tiny_model(patchset: str | Patchset) -> nn.Module:
     from engine.loader import load_patchset
+    from engine.release import check_release
     from engine.tiny import build_tiny_model
 
     ps = patchset if isinstance(patchset, Patchset) else load_patchset(patchset)
+    check_release(ps, tiny_model_type(ps))  # the version refusal comes before anything is built
     return build_tiny_model(tiny_model_type(ps), ps.tiny_model.config if ps.tiny_model else {})
 
 
@@ -136,6 +138,22 @@ def verify_patchset(patchset: str | Patchset) -> tuple[bool, str]:
         revert(model)
     failing = sorted({c.cls for c in report.failures})
     return report.passed, ("" if report.passed else "fails: " + ", ".join(failing))
+
+
+def _refusal(patchset: str) -> str | None:
+    """Why ``patchset`` is refused under the installed transformers (the version refusal), else ``None``."""
+    from engine.errors import VersionMismatch
+    from engine.loader import load_patchset
+    from engine.release import check_release
+
+    try:
+        ps = load_patchset(patchset)
+        check_release(ps, tiny_model_type(ps))
+    except VersionMismatch as exc:
+        return _reason(exc)
+    except Exception:  # noqa: BLE001  (any other problem is the verification's to report)
+        return None
+    return None
 
 
 def _reason(exc: Exception, limit: int = 200) -> str:
@@ -164,6 +182,10 @@ def coverage_rows(
         if not row.patchsets:
             continue
         primary = _primary(model_type, row.patchsets)
+        refusal = _refusal(primary)
+        if refusal is not None:  # not for this release: that is the row's whole answer
+            row.verified, row.note = False, refusal
+            continue
         if verify:
             if primary not in verified:
                 try:

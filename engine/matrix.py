@@ -13,6 +13,11 @@ then, under the suite's release::
 which writes the version × patchset table between the markers of ``docs/compatibility.md``
 and exits 1 when a patchset's declared range holds a release on which it does not verify.
 
+A release may also be run with Hugging Face's ``kernels`` package installed beside it (its own
+column, ``5.20.1 + kernels 0.17.2``): transformers then wraps functions such as
+``apply_rotary_pos_emb`` in ``kernels`` modules, which the engine must see through
+(:mod:`engine.see_through`). Its cells are held to the same ``requires`` ranges.
+
 ``run`` verifies the way ``patch-engine verify NAME`` does (the family's tiny model, patched,
 compared with the original), but with ``requires`` set aside, so the table says what is true
 on each release, not only what is claimed; ``when`` ranges on patches are honoured. A row that
@@ -30,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Cell", "check_claims", "main", "render_section", "run", "write_section"]
+__all__ = ["Cell", "check_claims", "column", "installed_kernels", "main", "render_section", "run", "write_section"]
 
 #: What a cell says. ``absent``: the release does not define the patchset's model type.
 STATUSES = ("verified", "fails", "refused", "absent")
@@ -76,8 +81,27 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def installed_kernels() -> str | None:
+    """The version of HF's ``kernels`` package when it is installed (transformers then wraps functions in it)."""
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    if find_spec("kernels") is None:
+        return None
+    try:
+        return metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def column(result: dict) -> str:
+    """A result's column heading: the transformers release, and ``kernels`` when it was installed."""
+    kernels = result.get("kernels")
+    return result["transformers"] + (f" + kernels {kernels}" if kernels else "")
+
+
 def run(names: Sequence[str] | None = None) -> dict:
-    """Verify ``names`` (default: every bundled patchset) under the installed transformers."""
+    """Verify ``names`` (default: every bundled patchset) under the installed transformers (and ``kernels``)."""
     import warnings
 
     import transformers
@@ -91,7 +115,7 @@ def run(names: Sequence[str] | None = None) -> dict:
             cell = _verify_one(name)
         print(f"{name}: {cell.status} {cell.reason[:120]} ({cell.seconds}s)", file=sys.stderr, flush=True)
         cells.append(asdict(cell))
-    return {"transformers": transformers.__version__, "cells": cells}
+    return {"transformers": transformers.__version__, "kernels": installed_kernels(), "cells": cells}
 
 
 def _requires() -> dict[str, str | None]:
@@ -111,7 +135,7 @@ def check_claims(results: list[dict], requires: dict[str, str | None]) -> list[s
             spec = requires.get(cell["patchset"])
             if cell["status"] != "verified" and in_range(spec, version):
                 problems.append(
-                    f"{cell['patchset']}: requires transformers{spec}, which holds {version}, but there it is "
+                    f"{cell['patchset']}: requires transformers{spec}, which holds {column(result)}, but there it is "
                     f"{cell['status']}: {cell['reason']}"
                 )
     return problems
@@ -120,7 +144,7 @@ def check_claims(results: list[dict], requires: dict[str, str | None]) -> list[s
 def _versions(results: list[dict]) -> list[dict]:
     from packaging.version import Version
 
-    return sorted(results, key=lambda r: Version(r["transformers"]))
+    return sorted(results, key=lambda r: (Version(r["transformers"]), r.get("kernels") or ""))
 
 
 def render_section(results: list[dict], requires: dict[str, str | None]) -> str:
@@ -128,7 +152,7 @@ def render_section(results: list[dict], requires: dict[str, str | None]) -> str:
     from engine.versions import in_range
 
     results = _versions(results)
-    head = ["| | " + " | ".join(r["transformers"] for r in results) + " |", "|---|" + "---|" * len(results)]
+    head = ["| | " + " | ".join(column(r) for r in results) + " |", "|---|" + "---|" * len(results)]
     for status in STATUSES:
         counts = [sum(c["status"] == status for c in r["cells"]) for r in results]
         head.append(f"| {status} | " + " | ".join(map(str, counts)) + " |")
@@ -142,13 +166,15 @@ def render_section(results: list[dict], requires: dict[str, str | None]) -> str:
             "table says what is true, not what is claimed. *verified*: every patched module and the whole "
             "model match; *refused*: planning or building refused, with the reason (nothing was patched); "
             "*absent*: the release has no such model type. A patchset's `requires` holds only releases where "
-            "it verifies; CI fails otherwise (`.ci/matrix`). How patches follow the modeling code across "
-            "releases: [versions.md](versions.md)."
+            "it verifies; CI fails otherwise (`.ci/matrix`). A column *+ kernels* ran with Hugging Face's "
+            "`kernels` package installed (as axolotl installs it), which makes transformers wrap functions "
+            "such as `apply_rotary_pos_emb` in modules of its own. How patches follow the modeling code "
+            "across releases: [versions.md](versions.md)."
         ),
         "",
         *head,
         "",
-        "| patchset | requires | " + " | ".join(r["transformers"] for r in results) + " |",
+        "| patchset | requires | " + " | ".join(column(r) for r in results) + " |",
         "|---|---|" + "---|" * len(results),
     ]
     by_version = [{c["patchset"]: c for c in r["cells"]} for r in results]
@@ -165,7 +191,7 @@ def render_section(results: list[dict], requires: dict[str, str | None]) -> str:
             if cell["status"] == "verified" and not claimed:
                 mark = "yes (not claimed)"
             if cell["status"] in ("fails", "refused"):
-                notes.append(f"- {name} on {result['transformers']}: {cell['reason']}")
+                notes.append(f"- {name} on {column(result)}: {cell['reason']}")
                 mark += f" [{len(notes)}]"
             row.append(f" {mark} |")
         lines.append("".join(row))

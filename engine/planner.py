@@ -34,6 +34,7 @@ from engine.kernel_choice import resolve_kernel
 from engine.kernels.registry import KernelProvider
 from engine.ops.base import FunctionOp, ModuleOp, get_op
 from engine.placements import dtensor_parameter
+from engine.release import check_release
 from engine.schema import Device, FunctionPatch, ModulePatch, Patchset
 from engine.see_through import see_through
 
@@ -138,11 +139,11 @@ def plan(
     model = unwrap(model)  # a PeftModel is planned as the transformers model inside it
     if not isinstance(patchset, Patchset):
         patchset = load_patchset(patchset)
+    check_release(patchset)  # first: a release outside `requires` is the answer, whatever else is wrong
     patchset = with_fused_cross_entropy(patchset, model, fused_cross_entropy)
     dev = resolve_device(model, device)
     run_mode: Mode = check_mode(mode) or ("training" if model.training else "inference")
     model_type = _check_model_type(model, patchset)
-    _check_versions(patchset)
     from engine.versions import patch_is_active
 
     decisions: list[Decision] = []
@@ -245,12 +246,6 @@ def _check_origin(patchset: Patchset, index: int, what: str, module_name: str) -
         "compute something else under the same name. Scaffold its own patchset (patch-engine scaffold --model "
         "FOLDER --trust-remote-code), or load the model without trust_remote_code to use transformers' classes"
     )
-
-
-def _check_versions(patchset: Patchset) -> None:
-    from engine.versions import check_requires
-
-    check_requires(patchset.name, patchset.requires.transformers)
 
 
 def _inactive(index: int, patch: Any) -> Decision:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.errors import InvalidArgument, PatchsetError
+from engine.release import bundled_covering, check_release
 
 __all__ = [
     "build_tiny_for",
@@ -174,7 +175,7 @@ def check_tiny_config(model_type: str, config: dict[str, Any], *, file: str | No
     Checks the model type exists, every value has the type of the config's default (an int
     where transformers expects an int), and counts and sizes are positive. Raises
     :class:`PatchsetError` keyed ``tiny_model.config.<key>``, or :class:`InvalidArgument` for
-    an unknown model type.
+    an unknown model type (:class:`VersionMismatch` when a bundled patchset covers it on other releases).
     """
     from transformers import CONFIG_MAPPING, AutoConfig
 
@@ -183,7 +184,9 @@ def check_tiny_config(model_type: str, config: dict[str, Any], *, file: str | No
 
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise InvalidArgument(f"unknown model type {model_type!r} (not a transformers config model_type){hint}")
+        raise bundled_covering(model_type) or InvalidArgument(
+            f"unknown model type {model_type!r} (not a transformers config model_type){hint}"
+        )
     defaults = AutoConfig.for_model(model_type)
     for key, value in config.items():
         where = f"tiny_model.config.{key}"
@@ -219,6 +222,7 @@ def build_tiny_for(
     """
     tiny = patchset.tiny_model
     mt = model_type or (tiny.model_type if tiny and tiny.model_type else patchset.model_types[0])
+    check_release(patchset, mt)  # the version refusal comes before anything is built
     config = dict(tiny.config) if tiny else {}
     file = _patchset_file(patchset)
     check_tiny_config(mt, config, file=file)

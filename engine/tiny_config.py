@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from engine.release import bundled_covering
 from engine.tiny import BASE_KWARGS
 
 __all__ = ["SIZE_RULES", "derive_tiny_config", "tiny_overrides"]
@@ -78,7 +79,9 @@ def derive_tiny_config(model_type: str) -> dict[str, Any]:
 
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(f"unknown model type {model_type!r} (not a transformers config model_type){hint}")
+        raise bundled_covering(model_type) or ValueError(
+            f"unknown model type {model_type!r} (not a transformers config model_type){hint}"
+        )
     return tiny_overrides(CONFIG_MAPPING[model_type]().to_dict())
 
 

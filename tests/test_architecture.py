@@ -53,9 +53,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer("loading", ("engine.loader", "engine.loader.*"), True,
           "YAML with line numbers, extends, messages, names, JSON Schema"),
     Layer("torch helpers", ("engine.devices", "engine.wrappers", "engine.placements", "engine.routing",
-                            "engine.hub_functions", "engine.tiny", "engine.tiny_config", "engine.submodels"), False,
+                            "engine.hub_functions", "engine.tiny", "engine.tiny_config", "engine.submodels",
+                            "engine.release"), False,
           "devices, wrapper unwrapping, DTensor placements, function routing (traced by dynamo), hub functions, "
-          "tiny models and their configs, sub-models"),
+          "tiny models and their configs, sub-models, the version refusal (is a patchset for this transformers)"),
     Layer("ops", ("engine.ops", "engine.ops.*"), False,
           "semantics: target contract, binding, the torch reference (Op.reference)"),
     Layer("kernels", ("engine.kernels", "engine.kernels.*"), False,

@@ -60,8 +60,9 @@ def test_the_wrapper_hides_the_function_and_see_through_finds_it(wrapped_rope) -
 
 
 def test_rope_routes_to_our_kernel_and_reverts_to_the_wrapper_object(wrapped_rope, tiny_qwen3) -> None:
-    import engine
     from transformers.models.qwen3 import modeling_qwen3 as m
+
+    import engine
 
     ids = torch.randint(0, tiny_qwen3.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

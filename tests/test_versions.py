@@ -14,7 +14,7 @@ from packaging.version import Version
 from snapshots import assert_same, snapshot
 
 import engine
-from engine.matrix import check_claims, render_section, run
+from engine.matrix import check_claims, installed_kernels, render_section, run
 from engine.tiny import build_tiny_model
 
 INSTALLED = Version(transformers.__version__)
@@ -127,3 +127,16 @@ def test_matrix_check_fails_a_range_that_claims_a_release_where_the_patchset_is_
     assert "| a | `>=5.0,<5.25` | refused [1] | yes |" in text and "1. a on 5.6.0: TargetNotFound: X" in text
     assert "| b | `>=5.10,<5.25` | yes (not claimed) | yes |" in text
     assert "| verified | 1 | 2 |" in text and "| refused | 1 | 0 |" in text
+
+
+def test_matrix_has_a_column_per_release_with_kernels_installed_held_to_the_same_range() -> None:
+    plain = {"transformers": "5.20.1", "cells": [{"patchset": "a", "status": "verified", "reason": ""}]}
+    with_kernels = {"transformers": "5.20.1", "kernels": "0.17.2",
+                    "cells": [{"patchset": "a", "status": "refused", "reason": "SignatureMismatch: rope"}]}
+    text = render_section([with_kernels, plain], {"a": ">=5.0,<5.25"})
+    assert "| patchset | requires | 5.20.1 | 5.20.1 + kernels 0.17.2 |" in text  # sorted: plain first
+    assert "| a | `>=5.0,<5.25` | yes | refused [1] |" in text
+    assert "1. a on 5.20.1 + kernels 0.17.2: SignatureMismatch: rope" in text
+    (problem,) = check_claims([plain, with_kernels], {"a": ">=5.0,<5.25"})
+    assert "which holds 5.20.1 + kernels 0.17.2, but there it is refused" in problem
+    assert run(["qwen3"])["kernels"] == installed_kernels()  # None here unless HF kernels is installed

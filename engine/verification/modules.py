@@ -22,6 +22,7 @@ from engine.hub_functions import torch_body, torch_path
 from engine.ops.base import ModuleOp, get_op
 from engine.patcher import original_forwards
 from engine.verification.compare import DTYPE_NAMES, cast_floats, clone_tensors, compare, is_exact, judge
+from engine.verification.random_state import same_draws
 from engine.verification.results import Check
 from engine.verification.truth import fp64_truth
 
@@ -66,15 +67,18 @@ def verify_module(
         clone = module if within is not None else copy.deepcopy(module).to(dtype)
         a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
         with torch.no_grad(), _original(within):
-            expected = op.ground_truth(clone)(clone, *a, **k)
-            declared = op.bind(clone, d.patch, op.reference(d.patch))(clone, *a, **k)
+            with same_draws(clone):  # each run draws the same dropout masks (a LoRA adapter's, in training)
+                expected = op.ground_truth(clone)(clone, *a, **k)
+            with same_draws(clone):
+                declared = op.bind(clone, d.patch, op.reference(d.patch))(clone, *a, **k)
             decl_results.append((dtype, compare(declared, expected)))
             declared_out[dtype], originals[dtype] = declared, expected
             for label, alt in alternatives:
-                got = op.bind(clone, alt, op.reference(alt))(clone, *a, **k)
+                with same_draws(clone):
+                    got = op.bind(clone, alt, op.reference(alt))(clone, *a, **k)
                 alt_exact[label] = alt_exact[label] and is_exact(compare(got, expected))
         if d.kernel != "torch" and within is None:  # the torch kernel *is* the declaration, checked above
-            with torch.no_grad():
+            with torch.no_grad(), same_draws(clone):
                 got = clone.forward(*a, **k)
             ma, mr, _ = compare(got, expected)
             ok, note = _judge(got, expected, op.ground_truth(clone), (clone, *a), k, clone)
@@ -169,6 +173,6 @@ def _judge(
     """Bit-equal, or within the original's own rounding error of it (``original(*args, **kwargs)`` rerun in fp64 tells)."""
     if is_exact(compare(got, expected)):
         return True, ""
-    with torch.no_grad(), fp64_truth(module):
+    with torch.no_grad(), fp64_truth(module), same_draws(module):
         truth = original(*args, **kwargs)
     return judge(got, expected, truth)

@@ -14,6 +14,7 @@ from engine.verification.compare import DTYPE_NAMES
 from engine.verification.models import compare_models, seeded
 from engine.verification.modules import verify_function, verify_module
 from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, takes_labels
+from engine.verification.random_state import keeps_random_state
 from engine.verification.results import Check, VerifyReport, failure_message
 from engine.wrappers import unwrap
 
@@ -22,6 +23,7 @@ __all__ = ["sample_modules", "verify"]
 Modules = Literal["all", "sample"]
 
 
+@keeps_random_state  # the caller's RNG (dropout masks of the training that follows) is untouched
 def verify(
     model: nn.Module,
     patchset: Any = None,

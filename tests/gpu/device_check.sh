@@ -26,8 +26,14 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log the exit 
 }
 
 [ -d .whl ] || { echo "no .whl/ here: run tests/gpu/fetch_wheels.sh on a machine with internet first" >&2; exit 2; }
-# Installs only what is missing; torch, triton and transformers stay the machine's own.
-stage install 60 "$PYTHON" -m pip install --no-index --find-links .whl --quiet "patch-engine[cuda,fla]" pytest
+# Installs only what is missing; torch, triton and transformers stay the machine's own. The project
+# and the vendor kernels go in without dependencies: the machine's torch (2.11) is older than the
+# floor pyproject.toml declares (torch>=2.13, the oldest release CI tests), which pip --no-index
+# could not satisfy; the GPU checks run on the machine's torch on purpose.
+stage install 60 "$PYTHON" -m pip install --no-index --find-links .whl --quiet --no-deps \
+    patch-engine liger-kernel flash-linear-attention fla-core einops
+stage install-deps 60 "$PYTHON" -m pip install --no-index --find-links .whl --quiet \
+    "pydantic>=2.7,<3" "pyyaml>=6.0,<7" "packaging>=23" "pytest>=8,<10"
 "$PYTHON" - <<'PY' | tee -a "$LOG"
 import importlib, platform, torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
