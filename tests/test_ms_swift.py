@@ -113,6 +113,7 @@ def swift_sft(tiny: Path, out: Path, tuner: str, *, patched: bool, env: dict[str
         "--dataloader_num_workers", "0", "--dataset_num_proc", "1", "--save_strategy", "no",
         "--report_to", "none", "--output_dir", str(out), "--load_from_cache_file", "false",
         "--use_hf", "true",  # the hub is Hugging Face's, offline here (HF_HUB_OFFLINE): no ModelScope look-ups
+        "--check_model", "false",  # else each run asks ModelScope if the local model is its latest (~20 s offline)
         "--callbacks", "loss_recorder",
     ]
     if patched:
