@@ -1,0 +1,305 @@
+"""Run vendor Triton kernels (liger, fla) on CPU tensors with Triton's own interpreter, in-process.
+
+Why: on a machine without a GPU, ``verify --device cuda --interpret`` runs the very kernel
+code a CUDA plan would run (our arguments, layouts, dtypes, chunk sizes) and judges it with
+the usual verifier. Triton's interpreter (``TRITON_INTERPRET=1``) runs most of that code
+already; what stops it is a handful of gaps, closed here by named shims. Nothing in this
+module is active outside :func:`interpreting` (a context manager): every attribute it
+replaces is put back on exit, so a process that never asks for interpretation runs triton
+exactly as installed.
+
+Each shim names the gap it closes and how to tell that triton no longer needs it
+(:data:`SHIMS`; ``python -m engine.kernels.triton_interpret`` probes each gap and prints
+whether the installed triton still has it).
+
+In-process, not a subprocess: ``TRITON_INTERPRET`` is read when a kernel is *decorated*
+(``triton.jit`` returns a ``JITFunction`` or an ``InterpretedFunction``), and liger and fla
+are imported long before (transformers imports fla). The ``launch`` shim therefore hands a
+launch of an already-decorated ``JITFunction`` to an ``InterpretedFunction`` of the same
+Python function, which is exactly what the decorator would have built under the variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SHIMS", "Shim", "interpreting", "is_interpreting"]
+
+
+@dataclass(frozen=True)
+class Shim:
+    """One interpreter gap: what fails without the shim, what the shim does, how to tell it is obsolete."""
+
+    name: str
+    gap: str
+    fix: str
+    obsolete_when: str
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim("launch",
+         "TRITON_INTERPRET is read when triton.jit decorates a kernel (triton/runtime/jit.py, `jit`): "
+         "kernels of a package imported before cannot be interpreted by setting it later",
+         "a launch (JITFunction.run) or a nested call (JITFunction.__call__) of a decorated kernel runs "
+         "an InterpretedFunction of the same function (cached per kernel); a kernel decorated inside the "
+         "block (a package imported lazily) is still a JITFunction, so it runs compiled after the block",
+         "never by itself: it is how an already-imported package is interpreted in-process"),
+    Shim("float_args",
+         "a Python float kernel argument stays a float (triton/runtime/interpreter.py `_implicit_cvt` converts "
+         "bool, int and pointers only): `eps.to(tl.float32)` raises AttributeError: 'float' object has no "
+         "attribute 'to' (liger RMSNorm, LayerNorm, SiLU-mul, fused linear cross-entropy)",
+         "floats become a 1-element fp32 tl.tensor, as a compiled kernel receives them",
+         "`triton.runtime.interpreter._implicit_cvt(0.5)` returns a tl.tensor"),
+    Shim("libdevice",
+         "triton.language.extra.libdevice functions (`rsqrt`, `tanh`, ...) are stubs that return None in the "
+         "interpreter (only triton.language and tl.math are patched, `_patch_lang`): liger's RMSNorm, "
+         "LayerNorm and GeGLU import `rsqrt` / `tanh` from it",
+         "while a kernel runs, names in its module bound to a libdevice stub are bound to numpy-backed "
+         "equivalents (tl.math's where it has one)",
+         "`_patch_lang` patches triton.language.extra.libdevice"),
+    Shim("autotune",
+         "an autotuned kernel (fla's chunk kernels) benchmarks its configs with the driver's benchmarker, "
+         "which needs a GPU driver: RuntimeError: 0 active drivers ([]). There should only be one.",
+         "every config times the same, so the first config runs (timing means nothing in the interpreter)",
+         "Autotuner.do_bench works under TRITON_INTERPRET on a machine without a GPU driver"),
+)
+
+_lock = threading.RLock()
+_depth = 0
+_restore: list[Callable[[], None]] = []
+
+
+def is_interpreting() -> bool:
+    """Whether :func:`interpreting` is active (in any thread: the shims are process-wide while it is)."""
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def interpreting() -> Iterator[None]:
+    """Within this block, every Triton kernel launch runs on the CPU with Triton's interpreter.
+
+    Re-entrant. Imports triton on entry (the caller asked for it); raises
+    :class:`engine.errors.MissingDependency` when triton is not installed.
+    """
+    global _depth
+    with _lock:
+        if _depth == 0:
+            _activate()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _deactivate()
+
+
+def _activate() -> None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        from engine.errors import MissingDependency
+
+        raise MissingDependency("interpreting Triton kernels needs triton (pip install triton; the cuda and fla "
+                                f"extras install it): import failed: {exc}") from exc
+    try:
+        _install_knob()
+        _install_launch()
+        _install_decorate()
+        _install_float_args()
+        _install_autotune()
+    except BaseException:
+        _deactivate()
+        raise
+
+
+def _deactivate() -> None:
+    while _restore:
+        _restore.pop()()
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name`` and remember how to put the old value back (exactly: absent stays absent)."""
+    missing = object()
+    old = obj.__dict__.get(name, missing) if hasattr(obj, "__dict__") else getattr(obj, name, missing)
+
+    def undo() -> None:
+        if old is missing:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+    setattr(obj, name, value)
+    _restore.append(undo)
+
+
+def _install_knob() -> None:
+    """``knobs.runtime.interpret``: read by ``constexpr_function`` and the autotuner at run time."""
+    from triton import knobs
+
+    old = knobs.runtime.interpret
+    knobs.runtime.interpret = True
+    _restore.append(lambda: setattr(knobs.runtime, "interpret", old))
+
+
+# ---------------------------------------------------------------- launch
+
+
+_interpreted: dict[int, Any] = {}
+
+
+def _interpreted_of(jit_fn: Any) -> Any:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    found = _interpreted.get(id(jit_fn))
+    if found is None or found[0] is not jit_fn:
+        fn = InterpretedFunction(jit_fn.fn, version=jit_fn.version, do_not_specialize=jit_fn.do_not_specialize,
+                                 do_not_specialize_on_alignment=jit_fn.do_not_specialize_on_alignment,
+                                 debug=jit_fn.debug, noinline=jit_fn.noinline, repr=jit_fn._repr,
+                                 launch_metadata=jit_fn.launch_metadata)
+        fn.pre_run_hooks = jit_fn.pre_run_hooks
+        found = _interpreted[id(jit_fn)] = (jit_fn, fn)
+    return found[1]
+
+
+def _install_launch() -> None:
+    from triton.runtime.jit import JITFunction
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        _bind_libdevice(self.fn.__globals__)
+        return _interpreted_of(self).run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:  # a jit function called from an interpreted kernel
+        _bind_libdevice(self.fn.__globals__)
+        return _interpreted_of(self)(*args, **kwargs)
+
+    _set(JITFunction, "run", run)
+    _set(JITFunction, "__call__", call)
+
+
+def _install_decorate() -> None:
+    """``triton.jit`` inside the block decorates as outside it (the knob is on only for running kernels)."""
+    import triton
+    import triton.runtime
+    from triton import knobs
+    from triton.runtime import jit as jit_module
+
+    original = jit_module.jit
+
+    def compiled(make: Callable[[], Any]) -> Any:
+        old = knobs.runtime.interpret
+        knobs.runtime.interpret = False
+        try:
+            return make()
+        finally:
+            knobs.runtime.interpret = old
+
+    def jit(fn: Any = None, **options: Any) -> Any:
+        if fn is not None:
+            return compiled(lambda: original(fn, **options))
+        decorator = original(**options)
+        return lambda f: compiled(lambda: decorator(f))
+
+    for module in (triton, triton.runtime, jit_module):
+        if getattr(module, "jit", None) is original:
+            _set(module, "jit", jit)
+
+
+# ---------------------------------------------------------------- float_args
+
+
+def _install_float_args() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._implicit_cvt
+
+    def implicit_cvt(arg: Any) -> Any:
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return original(arg)
+
+    _set(interpreter, "_implicit_cvt", implicit_cvt)
+
+
+# ---------------------------------------------------------------- libdevice
+
+
+_LIBDEVICE = "triton.language.extra.libdevice"
+
+
+def _libdevice_replacements() -> dict[int, Callable[..., Any]]:
+    """libdevice stub -> an interpretable function computing the same (fp32 in, fp32 out, as on CUDA)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+
+    def unary(np_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def op(x: Any) -> Any:
+            x = x if isinstance(x, tl.tensor) else tl.tensor(
+                interpreter.TensorHandle(np.array([x], dtype=np.float32), tl.float32), tl.float32)
+            data = np_fn(x.handle.data).astype(x.handle.data.dtype)
+            return tl.tensor(interpreter.TensorHandle(data, x.handle.dtype.scalar), x.type)
+
+        return op
+
+    table = {"rsqrt": unary(lambda a: 1 / np.sqrt(a)), "tanh": unary(np.tanh), "exp": unary(np.exp),
+             "log": unary(np.log), "sqrt": unary(np.sqrt), "erf": unary(_np_erf)}
+    return {id(getattr(libdevice, name)): fn for name, fn in table.items() if hasattr(libdevice, name)}
+
+
+def _np_erf(a: Any) -> Any:
+    import math
+
+    import numpy as np
+
+    return np.vectorize(math.erf, otypes=[a.dtype])(a)
+
+
+_replacements: dict[int, Callable[..., Any]] | None = None
+
+
+_bound: set[int] = set()
+
+
+def _bind_libdevice(namespace: dict[str, Any]) -> None:
+    """Bind a kernel module's libdevice names to interpretable functions until :func:`interpreting` ends.
+
+    Once per module and scope (a per-launch bind would be undone by a nested call's exit while
+    the outer kernel still runs).
+    """
+    global _replacements
+    if id(namespace) in _bound:
+        return
+    if _replacements is None:
+        _replacements = _libdevice_replacements()
+    _bound.add(id(namespace))
+    _restore.append(lambda: _bound.discard(id(namespace)))
+    # by identity, plain functions only: hashing a JITFunction computes its cache key (a source walk)
+    for name, value in list(namespace.items()):
+        if getattr(value, "__module__", None) == _LIBDEVICE and id(value) in _replacements:
+            namespace[name] = _replacements[id(value)]
+            _restore.append(lambda name=name, value=value: namespace.__setitem__(name, value))
+
+
+# ---------------------------------------------------------------- autotune
+
+
+def _install_autotune() -> None:
+    from triton.runtime.autotuner import Autotuner
+
+    def do_bench(self: Any) -> Callable[..., list[float]]:
+        def bench(kernel_call: Callable[[], None], quantiles: Any = None) -> list[float]:
+            return [1.0, 1.0, 1.0]  # not run: the interpreter's time says nothing about a GPU's
+
+        return bench
+
+    _set(Autotuner, "do_bench", property(do_bench))
