@@ -61,6 +61,16 @@ SHIMS: tuple[Shim, ...] = (
          "while a kernel runs, names in its module bound to a libdevice stub are bound to numpy-backed "
          "equivalents (tl.math's where it has one)",
          "`_patch_lang` patches triton.language.extra.libdevice"),
+    Shim("bf16",
+         "the interpreter stores bfloat16 as uint16 (numpy has no bf16): (1) its binary, unary, ternary and fma "
+         "ops run numpy on that storage, so bf16 * bf16 multiplies bit patterns as integers (liger's SiLU-mul "
+         "`silu(a).cast(b.dtype) * b`: NaN / inf where a GPU computes numbers); (2) its fp32 -> bf16 cast "
+         "(`_convert_float`) truncates by default and its 'rtne' rounds half up without carrying into the "
+         "exponent, where a GPU's `.to(tl.bfloat16)` rounds to nearest even",
+         "arithmetic on bf16 operands widens them to fp32 and rounds the result to bf16 once; fp32/fp64 -> bf16 "
+         "casts round to nearest even (torch's conversion), an explicit 'rtz' still truncates",
+         "`InterpreterBuilder.binary_op` multiplies two bf16 handles' values, and `cast_impl` of "
+         "fp32 1.00390625 + 2**-9 to bf16 gives 1.0078125"),
     Shim("autotune",
          "an autotuned kernel (fla's chunk kernels) benchmarks its configs with the driver's benchmarker, "
          "which needs a GPU driver: RuntimeError: 0 active drivers ([]). There should only be one.",
@@ -113,6 +123,7 @@ def _activate() -> None:
         _install_decorate()
         _install_float_args()
         _install_autotune()
+        _install_bf16()
     except BaseException:
         _deactivate()
         raise
@@ -288,6 +299,75 @@ def _bind_libdevice(namespace: dict[str, Any]) -> None:
         if getattr(value, "__module__", None) == _LIBDEVICE and id(value) in _replacements:
             namespace[name] = _replacements[id(value)]
             _restore.append(lambda name=name, value=value: namespace.__setitem__(name, value))
+
+
+# ---------------------------------------------------------------- bf16
+
+
+def _install_bf16() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    import torch
+    from triton._C.libtriton import ir as _ir
+    from triton.runtime.interpreter import TensorHandle
+
+    def to_bf16(h: Any) -> Any:  # round to nearest even, NaN kept NaN
+        data = np.ascontiguousarray(h.data)
+        bits = torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return TensorHandle(bits.reshape(data.shape), tl.bfloat16)
+
+    cast_impl, fp_to_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
+
+    def cast(self: Any, src: Any, dst_type: Any) -> Any:
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar in (tl.float32, tl.float64):
+            return to_bf16(src)
+        return cast_impl(self, src, dst_type)
+
+    def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
+        if (dst_type.scalar == tl.bfloat16 and src.dtype.scalar in (tl.float32, tl.float64)
+                and rounding_mode != _ir.ROUNDING_MODE.RTZ):
+            return to_bf16(src)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    _set(InterpreterBuilder, "cast_impl", cast)
+    _set(InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+
+    def wide(builder: Any, h: Any) -> Any:
+        return builder.cast_impl(h, tl.float32) if h.dtype.scalar == tl.bfloat16 else h
+
+    def narrow(builder: Any, h: Any, was_bf16: bool) -> Any:
+        return builder.cast_impl(h, tl.bfloat16) if was_bf16 and h.dtype.scalar == tl.float32 else h
+
+    binary, unary, ternary, fma = (InterpreterBuilder.binary_op, InterpreterBuilder.unary_op,
+                                   InterpreterBuilder.ternary_op, InterpreterBuilder.create_fma)
+
+    def binary_op(self: Any, lhs: Any, rhs: Any, op: Any) -> Any:
+        bf16 = tl.bfloat16 in (lhs.dtype.scalar, rhs.dtype.scalar)
+        if not bf16 or op in (np.bitwise_and, np.bitwise_or, np.bitwise_xor):
+            return binary(self, lhs, rhs, op)
+        return narrow(self, binary(self, wide(self, lhs), wide(self, rhs), op), True)
+
+    def unary_op(self: Any, arg: Any, op: Any) -> Any:
+        if arg.dtype.scalar != tl.bfloat16:
+            return unary(self, arg, op)
+        return narrow(self, unary(self, wide(self, arg), op), True)
+
+    def ternary_op(self: Any, a: Any, b: Any, c: Any, op: Any) -> Any:
+        if op is np.where or tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar, c.dtype.scalar):
+            return ternary(self, a, b, c, op)  # a select moves bit patterns: right as it is
+        return narrow(self, ternary(self, wide(self, a), wide(self, b), wide(self, c), op), True)
+
+    def create_fma(self: Any, x: Any, y: Any, z: Any) -> Any:
+        if tl.bfloat16 not in (x.dtype.scalar, y.dtype.scalar, z.dtype.scalar):
+            return fma(self, x, y, z)
+        return narrow(self, fma(self, wide(self, x), wide(self, y), wide(self, z)), True)
+
+    _set(InterpreterBuilder, "binary_op", binary_op)
+    _set(InterpreterBuilder, "unary_op", unary_op)
+    _set(InterpreterBuilder, "ternary_op", ternary_op)
+    _set(InterpreterBuilder, "create_fma", create_fma)
 
 
 # ---------------------------------------------------------------- autotune
