@@ -62,12 +62,12 @@ SHIMS: tuple[Shim, ...] = (
          "equivalents (tl.math's where it has one)",
          "`_patch_lang` patches triton.language.extra.libdevice"),
     Shim("bf16",
-         "the interpreter stores bfloat16 as uint16 (numpy has no bf16): (1) its binary, unary, ternary and fma "
+         "the interpreter stores bfloat16 as uint16 (numpy has no bf16): (1) its binary, unary, ternary, fma and dot "
          "ops run numpy on that storage, so bf16 * bf16 multiplies bit patterns as integers (liger's SiLU-mul "
          "`silu(a).cast(b.dtype) * b`: NaN / inf where a GPU computes numbers); (2) its fp32 -> bf16 cast "
          "(`_convert_float`) truncates by default and its 'rtne' rounds half up without carrying into the "
          "exponent, where a GPU's `.to(tl.bfloat16)` rounds to nearest even",
-         "arithmetic on bf16 operands widens them to fp32 and rounds the result to bf16 once; fp32/fp64 -> bf16 "
+         "arithmetic (and tl.dot) on bf16 operands widens them to fp32 and rounds a bf16 result once; fp32/fp64 -> bf16 "
          "casts round to nearest even (torch's conversion), an explicit 'rtz' still truncates",
          "`InterpreterBuilder.binary_op` multiplies two bf16 handles' values, and `cast_impl` of "
          "fp32 1.00390625 + 2**-9 to bf16 gives 1.0078125"),
@@ -342,6 +342,13 @@ def _install_bf16() -> None:
 
     binary, unary, ternary, fma = (InterpreterBuilder.binary_op, InterpreterBuilder.unary_op,
                                    InterpreterBuilder.ternary_op, InterpreterBuilder.create_fma)
+    dot = InterpreterBuilder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar, d.dtype.scalar):
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = dot(self, wide(self, a), wide(self, b), wide(self, d), input_precision, max_num_imprecise_acc)
+        return narrow(self, out, d.dtype.scalar == tl.bfloat16)  # bf16 x bf16 accumulates in fp32 (an fp32 d)
 
     def binary_op(self: Any, lhs: Any, rhs: Any, op: Any) -> Any:
         bf16 = tl.bfloat16 in (lhs.dtype.scalar, rhs.dtype.scalar)
@@ -368,6 +375,7 @@ def _install_bf16() -> None:
     _set(InterpreterBuilder, "unary_op", unary_op)
     _set(InterpreterBuilder, "ternary_op", ternary_op)
     _set(InterpreterBuilder, "create_fma", create_fma)
+    _set(InterpreterBuilder, "create_dot", create_dot)
 
 
 # ---------------------------------------------------------------- autotune
