@@ -71,6 +71,12 @@ SHIMS: tuple[Shim, ...] = (
          "casts round to nearest even (torch's conversion), an explicit 'rtz' still truncates",
          "`InterpreterBuilder.binary_op` multiplies two bf16 handles' values, and `cast_impl` of "
          "fp32 1.00390625 + 2**-9 to bf16 gives 1.0078125"),
+    Shim("loop_index",
+         "the interpreter runs a kernel's `for i in range(n)` as a Python loop, so `i` is a Python int where a "
+         "compiled kernel's loop index is an int32 tensor: `i_t.to(tl.int64)` raises AttributeError: 'int' "
+         "object has no attribute 'to' (fla's chunk kernels, common/chunk_delta_h.py)",
+         "a kernel's `for ... in range(...)` yields int32 (int64 past 2**31) 1-element tl.tensors",
+         "the interpreter's ASTTransformer rewrites `range` loops (or `_new_range` yields tensors)"),
     Shim("autotune",
          "an autotuned kernel (fla's chunk kernels) benchmarks its configs with the driver's benchmarker, "
          "which needs a GPU driver: RuntimeError: 0 active drivers ([]). There should only be one.",
@@ -124,6 +130,7 @@ def _activate() -> None:
         _install_float_args()
         _install_autotune()
         _install_bf16()
+        _install_loop_index()
     except BaseException:
         _deactivate()
         raise
@@ -376,6 +383,40 @@ def _install_bf16() -> None:
     _set(InterpreterBuilder, "ternary_op", ternary_op)
     _set(InterpreterBuilder, "create_fma", create_fma)
     _set(InterpreterBuilder, "create_dot", create_dot)
+
+
+# ---------------------------------------------------------------- loop_index
+
+_LOOP_RANGE = "_engine_interpreted_range"
+
+
+def _install_loop_index() -> None:
+    import ast
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def loop_range(*bounds: Any) -> Iterator[Any]:
+        for i in range(*(int(b.handle.data.item()) if isinstance(b, tl.tensor) else int(b) for b in bounds)):
+            ty, np_ty = (tl.int32, np.int32) if -2**31 <= i < 2**31 else (tl.int64, np.int64)
+            yield tl.tensor(interpreter.TensorHandle(np.array([i], dtype=np_ty), ty), ty)
+
+    visit_for = interpreter.ASTTransformer.__dict__.get("visit_For")
+
+    def visit_For(self: Any, node: Any) -> Any:  # noqa: N802 (ast.NodeTransformer's name)
+        node = visit_for(self, node) if visit_for is not None else self.generic_visit(node)
+        it = node.iter
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range":
+            it.func = ast.copy_location(ast.Name(id=_LOOP_RANGE, ctx=ast.Load()), it.func)
+        return node
+
+    _set(interpreter, _LOOP_RANGE, loop_range)  # copied into each kernel's globals by _compile_and_exec
+    _set(interpreter.ASTTransformer, "visit_For", visit_For)
+    rewritten = interpreter.InterpretedFunction.rewritten_fn
+    before = set(rewritten)
+    # rewritten kernels carry the loop rewrite: forget them at the end (a later TRITON_INTERPRET run rewrites anew)
+    _restore.append(lambda: [rewritten.pop(fn, None) for fn in set(rewritten) - before])
 
 
 # ---------------------------------------------------------------- autotune
