@@ -154,6 +154,14 @@ def test_liger_rope_interpreted(interpreted) -> None:
         freqs = torch.arange(6.0)[:, None] * (0.5 ** torch.arange(rot // 2.0))[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[None]
         _vendor_vs_torch("liger", "rope", RopePatch(op="rope"), (q, k, emb.cos(), emb.sin()))
+    # (batch, seq, heads, dim) with unsqueeze_dim=2 (DeepSeek-V3.2's indexer, on a split of q):
+    # liger reads (batch, heads, seq, dim) whatever unsqueeze_dim says; passed as it was, it wrote outside q
+    g = torch.Generator().manual_seed(3)
+    q_full, k_full = torch.randn(2, 6, 4, 24, generator=g), torch.randn(2, 6, 1, 24, generator=g)
+    q, k = q_full[..., :16], k_full[..., :16]
+    freqs = torch.arange(6.0)[:, None] * (0.5 ** torch.arange(8.0))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[None].expand(2, -1, -1)
+    _vendor_vs_torch("liger", "rope", RopePatch(op="rope"), (q, k, emb.cos(), emb.sin(), 2))
 
 
 @needs_liger
