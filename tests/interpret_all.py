@@ -64,7 +64,7 @@ def _one(name: str) -> dict[str, Any]:
     except Exception as exc:  # the interpreter's error, to be named in docs/devices.md
         out["result"] = "error"
         out["error"] = f"{type(exc).__name__}: {exc}"[:600]
-        out["where"] = traceback.format_exc(limit=-3)[-1500:]
+        out["where"] = traceback.format_exc(limit=-12)[-4000:]
     finally:
         out["seconds"] = round(time.perf_counter() - start, 1)
     return out

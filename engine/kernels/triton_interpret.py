@@ -71,6 +71,13 @@ SHIMS: tuple[Shim, ...] = (
          "casts round to nearest even (torch's conversion), an explicit 'rtz' still truncates",
          "`InterpreterBuilder.binary_op` multiplies two bf16 handles' values, and `cast_impl` of "
          "fp32 1.00390625 + 2**-9 to bf16 gives 1.0078125"),
+    Shim("tf32",
+         "tl.dot on fp32 operands defaults to input_precision 'tf32' (NVIDIA tensor cores keep 10 mantissa bits "
+         "of each operand), but the interpreter's `create_dot` ignores input_precision and multiplies in full "
+         "fp32: an fp32 kernel would look more exact interpreted than on the GPU (fla's chunk kernels)",
+         "for input_precision tf32, fp32 operands are rounded to tf32 (10 mantissa bits, to nearest, ties away "
+         "from zero as PTX `cvt.rna.tf32.f32`) before the product; 'ieee' and 'tf32x3' stay full fp32",
+         "`InterpreterBuilder.create_dot` reads input_precision"),
     Shim("loop_index",
          "the interpreter runs a kernel's `for i in range(n)` as a Python loop, so `i` is a Python int where a "
          "compiled kernel's loop index is an int32 tensor: `i_t.to(tl.int64)` raises AttributeError: 'int' "
@@ -79,8 +86,10 @@ SHIMS: tuple[Shim, ...] = (
          "the interpreter's ASTTransformer rewrites `range` loops (or `_new_range` yields tensors)"),
     Shim("autotune",
          "an autotuned kernel (fla's chunk kernels) benchmarks its configs with the driver's benchmarker, "
-         "which needs a GPU driver: RuntimeError: 0 active drivers ([]). There should only be one.",
-         "every config times the same, so the first config runs (timing means nothing in the interpreter)",
+         "which needs a GPU driver, and one with cache_results (fla's l2norm) keys its disk cache by the "
+         "driver's target: RuntimeError: 0 active drivers ([]). There should only be one.",
+         "every config times the same, so the first config runs (timing means nothing in the interpreter); "
+         "no disk cache",
          "Autotuner.do_bench works under TRITON_INTERPRET on a machine without a GPU driver"),
 )
 
@@ -351,7 +360,15 @@ def _install_bf16() -> None:
                                    InterpreterBuilder.ternary_op, InterpreterBuilder.create_fma)
     dot = InterpreterBuilder.create_dot
 
+    def tf32(h: Any) -> Any:
+        bits = np.ascontiguousarray(h.data, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)  # to nearest, ties away
+        return TensorHandle(np.where(np.isfinite(h.data), rounded, h.data).astype(np.float32), tl.float32)
+
     def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        if (input_precision == _ir.INPUT_PRECISION.TF32 and a.dtype.scalar == tl.float32
+                and b.dtype.scalar == tl.float32):
+            return dot(self, tf32(a), tf32(b), d, input_precision, max_num_imprecise_acc)
         if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar, d.dtype.scalar):
             return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
         out = dot(self, wide(self, a), wide(self, b), wide(self, d), input_precision, max_num_imprecise_acc)
@@ -431,4 +448,9 @@ def _install_autotune() -> None:
 
         return bench
 
+    def check_disk_cache(self: Any, tuning_key: Any, configs: Any, bench_fn: Callable[[], None]) -> bool:
+        bench_fn()  # no disk cache: its key asks the driver for the GPU target
+        return False
+
     _set(Autotuner, "do_bench", property(do_bench))
+    _set(Autotuner, "check_disk_cache", check_disk_cache)
