@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,9 @@ def test_fla_recurrent_interpreted(interpreted, rule: str) -> None:
 
 
 @needs_fla
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PATCH_ENGINE_SLOW_INTERPRET"),
+                    reason="interpreted, a minute on 2 cores: run by .ci/interpret (PATCH_ENGINE_SLOW_INTERPRET=1)")
 @pytest.mark.parametrize("rule", ["gated_delta_rule", "kimi_delta_attention"])
 def test_fla_chunk_interpreted(interpreted, rule: str) -> None:
     """fla's chunk kernel (autotuned: the autotune shim) forward and backward vs the torch chunk path."""

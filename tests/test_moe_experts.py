@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import os
 import sys
 
 import pytest
@@ -172,6 +173,9 @@ def test_npu_provider_on_the_documented_contract(monkeypatch) -> None:
             torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PATCH_ENGINE_SLOW_INTERPRET"),
+                    reason="interpreted, a minute on 2 cores: run by .ci/interpret (PATCH_ENGINE_SLOW_INTERPRET=1)")
 def test_liger_interpreted() -> None:
     """liger's fused MoE (Triton, run by Triton's CPU interpreter): output and every gradient vs the eager loop,
     duplicate routes and an expert nobody chose included."""
