@@ -249,8 +249,12 @@ def test_fla_recurrent_interpreted(interpreted, rule: str) -> None:
 @pytest.mark.skipif(not os.environ.get("PATCH_ENGINE_SLOW_INTERPRET"),
                     reason="interpreted, a minute on 2 cores: run by .ci/interpret (PATCH_ENGINE_SLOW_INTERPRET=1)")
 @pytest.mark.parametrize("rule", ["gated_delta_rule", "kimi_delta_attention"])
-def test_fla_chunk_interpreted(interpreted, rule: str) -> None:
-    """fla's chunk kernel (autotuned: the autotune shim) forward and backward vs the torch chunk path."""
+def test_fla_chunk_interpreted(interpreted, monkeypatch, rule: str) -> None:
+    """fla's chunk kernel (autotuned: the autotune shim) forward and backward vs the torch chunk path, with
+    fp32 dots in full precision (TRITON_F32_DEFAULT=ieee; by default NVIDIA's are TF32: the tf32 shim)."""
+    import triton
+
+    monkeypatch.setattr(triton.knobs.language, "fp32_default", "ieee")
     _fla_vs_torch(rule, "chunk", 12, grad=True)
 
 
@@ -398,3 +402,85 @@ def test_fla_gated_norm_interpreted(interpreted, activation: str, dtype: torch.d
     x, gate = torch.randn(8, 32, generator=g).to(dtype), torch.randn(8, 32, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype)
     _vendor_vs_torch("fla", "gated_rms_norm", fits, (x, gate, w, 1e-6, None), grad=dtype is torch.float32)
+
+
+# ---------------------------------------------------------------- verify --device cuda --interpret
+
+
+def _norms_only(tmp_path, **change) -> str:
+    """qwen3's patchset with its RMSNorm patches only (quick to interpret), with ``change`` applied to them."""
+    import yaml
+
+    data = engine.load_patchset("qwen3").model_dump(mode="json", exclude_none=True)
+    data["patches"] = [{**p, **change} for p in data["patches"] if p["op"] == "rms_norm"]
+    data.pop("files", None)
+    path = tmp_path / "norms.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@needs_liger
+def test_cli_verify_interpret(tmp_path, capsys) -> None:
+    """`verify --interpret`: the CUDA plan (liger in the kernel column) run on this CPU; a flipped scale fails
+    it, naming the module (exit 1). The passing case: test_interpreted_verify_passes_and_catches_a_wrong_argument."""
+    from engine.cli import main
+
+    assert main(["verify", _norms_only(tmp_path, scale="one_plus_weight", cast="fp32"), "--interpret"]) == 1
+    out = capsys.readouterr().out
+    assert "on a tiny qwen3 (Qwen3ForCausalLM, cuda)" in out and "verification FAILED" in out, out
+    rows = [line for line in out.splitlines() if line.startswith("model.layers.0.self_attn.q_norm ")]
+    assert rows and all(" liger " in row for row in rows), out
+    assert "does not reproduce Qwen3RMSNorm.forward" in out, out
+    assert main(["verify", "qwen3", "--interpret", "--device", "npu"]) == 2  # nothing to interpret there
+
+
+@needs_liger
+def test_interpreted_verify_passes_and_catches_a_wrong_argument(monkeypatch) -> None:
+    """engine.verify(..., interpret=True): qwen3's CUDA plan passes; a wrong liger argument (offset 1 for a
+    weight scale) fails the kernel check of the module it reaches, while the declaration (torch) passes."""
+    from engine.kernels import liger
+
+    model = tiny_for("qwen3")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    options = {"modules": "sample", "check_model": False, "batch": probe_batch(model, batch=1, seq=4)}
+    report = engine.verify(model, "qwen3", interpret=True, **options)
+    assert report.passed and {c.kernel for c in report.checks if c.what == "kernel"} == {"liger"}
+    monkeypatch.setattr(liger, "liger_rms_norm_arguments", lambda scale, cast, precision: (1.0, "llama"))
+    report = engine.verify(model, "qwen3", interpret=True, raise_on_failure=False, **options)
+    failed = {(c.path, c.what) for c in report.checks if not c.passed}
+    assert ("model.norm", "kernel") in failed and not any(what == "declaration" for _, what in failed)
+    assert not engine.is_patched(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_interpreting_is_scoped() -> None:
+    """Nothing of the shims outlives the block: triton's own objects are back, exactly."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.runtime import interpreter
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    from engine.kernels.triton_interpret import SHIMS, interpreting, is_interpreting
+
+    watched = [(JITFunction, "run"), (JITFunction, "__call__"), (interpreter, "_implicit_cvt"), (triton, "jit"),
+               (interpreter.InterpreterBuilder, "binary_op"), (interpreter.InterpreterBuilder, "create_dot"),
+               (interpreter.ASTTransformer, "visit_For"), (Autotuner, "check_disk_cache")]
+    before = [(obj, name, obj.__dict__.get(name)) for obj, name in watched]
+    with interpreting():
+        assert is_interpreting() and triton.knobs.runtime.interpret
+        assert any(obj.__dict__.get(name) is not old for obj, name, old in before)
+    assert not is_interpreting() and not triton.knobs.runtime.interpret
+    assert all(obj.__dict__.get(name) is old for obj, name, old in before)
+    assert len({s.name for s in SHIMS}) == len(SHIMS) and all(s.gap and s.obsolete_when for s in SHIMS)
+
+
+def test_a_nan_is_an_infinite_difference() -> None:
+    """A kernel that returns NaN where the original has numbers must fail (max(0.0, nan) is 0.0 in Python)."""
+    from engine.verification.compare import max_abs_diff
+
+    nan = float("nan")
+    assert max_abs_diff(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0])) == float("inf")
+    assert max_abs_diff(torch.tensor([1.0, nan]), torch.tensor([1.5, nan])) == 0.5  # NaN where the original has one
+    passed, _ = judge(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert not passed

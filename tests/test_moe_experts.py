@@ -176,10 +176,12 @@ def test_npu_provider_on_the_documented_contract(monkeypatch) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("PATCH_ENGINE_SLOW_INTERPRET"),
                     reason="interpreted, a minute on 2 cores: run by .ci/interpret (PATCH_ENGINE_SLOW_INTERPRET=1)")
-def test_liger_interpreted() -> None:
+def test_liger_interpreted(monkeypatch) -> None:
     """liger's fused MoE (Triton, run by Triton's CPU interpreter): output and every gradient vs the eager loop,
     duplicate routes and an expert nobody chose included."""
     pytest.importorskip("liger_kernel")
+    import triton
+
     from engine.kernels.triton_interpret import interpreting
 
     experts = build_experts("qwen3_moe", "Qwen3MoeExperts")
@@ -187,7 +189,13 @@ def test_liger_interpreted() -> None:
     x = _input()
     want_out, want = run(experts, truth(experts), torch.float32, index, weights, x)
     with interpreting():
+        tf32_out, _ = run(experts, patched(experts, {}, "liger"), torch.float32, index, weights, x)
+        # fp32 dots in full precision (a GPU does this with TRITON_F32_DEFAULT=ieee): the mapping, exactly
+        monkeypatch.setattr(triton.knobs.language, "fp32_default", "ieee")
         got_out, got = run(experts, patched(experts, {}, "liger"), torch.float32, index, weights, x)
+    # by default Triton's fp32 tl.dot is TF32 on NVIDIA (10 mantissa bits): off by TF32 rounding, not more
+    tf32_err = float((tf32_out - want_out).abs().max() / want_out.abs().max())
+    assert 1e-6 < tf32_err < 5e-3, tf32_err
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()), msg=name)

@@ -1,0 +1,176 @@
+"""Liger's own patching vs this engine's CUDA plan, both against the unpatched original, on this CPU.
+
+For each family Liger patches (``liger_kernel.transformers.apply_liger_kernel_to_<family>``,
+instance-level, ``model=``, Liger's defaults: rope, RMSNorm, SwiGLU/GeGLU and its fused linear
+cross-entropy), a copy of the same tiny model is patched by Liger, another by ``engine.apply(...,
+device="cuda")``; the Triton kernels of both run under Triton's CPU interpreter
+(:mod:`engine.kernels.triton_interpret`). Each is compared with the unpatched original: logits (eval,
+no labels), loss and every parameter gradient (train, labels), in fp32 and in bf16. Numbers are
+max |patched - original|, and for gradients the worst ratio to the original's own scale.
+
+    python benchmarks/liger_side_by_side.py [FAMILIES...] [--jobs 2]
+
+Writes benchmarks/results/liger_side_by_side.{json,md}; the Markdown is copied to docs/liger_side_by_side.md.
+Each family runs in a forked child: Liger's patching also replaces module-level names of the
+transformers modeling module (its rope function, its norm class), which must not leak into the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+            "smollm3", "glm4", "exaone4")
+
+
+def _step(model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits.float()
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {k: p.grad.float().clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    return {"logits": logits, "loss": float(out.loss), "grads": grads}
+
+
+def _diff(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    logits = float((got["logits"] - ref["logits"]).abs().max())
+    worst, where = 0.0, ""
+    for name, g in ref["grads"].items():
+        mine = got["grads"].get(name)
+        if mine is None:
+            return {"logits": logits, "loss": abs(got["loss"] - ref["loss"]), "grad": float("inf"),
+                    "grad_at": f"{name}: no gradient"}
+        rel = float((mine - g).abs().max() / g.abs().max().clamp_min(1e-30))
+        if rel > worst:
+            worst, where = rel, name
+    return {"logits": logits, "loss": abs(got["loss"] - ref["loss"]), "grad": worst, "grad_at": where}
+
+
+def _family(name: str) -> dict[str, Any]:
+    import torch
+
+    import engine
+    from engine.kernels.triton_interpret import interpreting
+    from engine.loader import load_patchset
+    from engine.tiny import build_tiny_for
+    from engine.verification import probe_batch
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    out: dict[str, Any] = {"family": name}
+    try:
+        import liger_kernel.transformers as lt
+
+        apply_liger = getattr(lt, f"apply_liger_kernel_to_{name}")
+        base = build_tiny_for(load_patchset(name), None, dtype=torch.float32)
+        batch = probe_batch(base, batch=1, seq=8)
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            original = copy.deepcopy(base).to(dtype)
+            ours, liger = copy.deepcopy(original), copy.deepcopy(original)
+            ref = _step(original, batch)
+            with interpreting():
+                report = engine.apply(ours, name, device="cuda")
+                out["ours_kernels"] = sorted({f"{d.op}:{d.kernel}" for d in report.decisions if d.action == "patch"})
+                mine = _step(ours, batch)
+                engine.revert(ours)
+                apply_liger(model=liger)  # last: it also rebinds module-level names of the modeling module
+                theirs = _step(liger, batch)
+            out[dtype_name] = {"ours": _diff(mine, ref), "liger": _diff(theirs, ref)}
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def _child(name: str, conn: Any) -> None:
+    conn.send(_family(name))
+    conn.close()
+
+
+def _run_all(names: list[str], jobs: int) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("fork")
+    results: dict[str, dict[str, Any]] = {}
+    pending, running = list(names), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(name, child))
+            proc.start()
+            child.close()
+            running.append((name, proc, parent))
+        for item in list(running):
+            name, proc, conn = item
+            if conn.poll(0.2):
+                results[name] = conn.recv()
+                proc.join()
+                running.remove(item)
+                print(json.dumps(results[name]), flush=True)
+            elif not proc.is_alive():
+                proc.join()
+                results[name] = {"family": name, "error": f"the process died (exit code {proc.exitcode})"}
+                running.remove(item)
+    return [results[n] for n in names]
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Liger's own patching vs this engine's CUDA plan",
+        "",
+        "Generated by `python benchmarks/liger_side_by_side.py` (tiny models of each family, one sequence of 8",
+        "tokens, the Triton kernels of both run by Triton's CPU interpreter with the engine's shims). Each cell:",
+        "max |patched - original| of the logits (eval) / of the loss (train) / the worst parameter gradient's",
+        "max |difference| relative to that gradient's largest magnitude. Liger with its defaults (rope, RMSNorm,",
+        "SwiGLU / GeGLU, fused linear cross-entropy); the engine with the family's bundled patchset on CUDA.",
+        "",
+        "| family | dtype | engine: logits / loss / grad | Liger: logits / loss / grad | Liger's worst gradient |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['family']} | - | {r['error']} | | |")
+            continue
+        for dt in ("fp32", "bf16"):
+            o, t = r[dt]["ours"], r[dt]["liger"]
+            lines.append(f"| {r['family']} | {dt} | {o['logits']:.2g} / {o['loss']:.2g} / {o['grad']:.2g} | "
+                         f"{t['logits']:.2g} / {t['loss']:.2g} / {t['grad']:.2g} | {t['grad_at']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*")
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    import torch  # noqa: F401  (imported once before forking)
+    import transformers  # noqa: F401
+
+    import engine.api  # noqa: F401
+
+    results = _run_all(list(args.families or FAMILIES), args.jobs)
+    out = ROOT / "benchmarks" / "results"
+    (out / "liger_side_by_side.json").write_text(json.dumps(results, indent=2))
+    text = render(results)
+    (out / "liger_side_by_side.md").write_text(text)
+    (ROOT / "docs" / "liger_side_by_side.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
