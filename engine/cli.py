@@ -102,10 +102,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.api import apply, revert, verify
+    from engine.devices import as_device, require_present
     from engine.loader import load_patchset
     from engine.report import from_files
-
-    from engine.devices import as_device, require_present
     from engine.schema import Device
 
     if args.model or args.gguf:

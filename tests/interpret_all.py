@@ -61,7 +61,7 @@ def _one(name: str) -> dict[str, Any]:
         if not verdict.passed:
             out["failed"] = [f"{c.path} ({c.op}, {c.kernel}, {c.dtype} {c.what}): {c.note}"
                              for c in verdict.checks if not c.passed]
-    except Exception as exc:  # the interpreter's error, to be named in docs/devices.md
+    except Exception as exc:  # noqa: BLE001 (the interpreter's error, to be named in docs/devices.md)
         out["result"] = "error"
         out["error"] = f"{type(exc).__name__}: {exc}"[:600]
         out["where"] = traceback.format_exc(limit=-12)[-4000:]
@@ -75,16 +75,16 @@ def _preload() -> None:
     import torch
     import transformers  # noqa: F401
 
-    import engine.api  # noqa: F401
-    import engine.kernels.fla  # noqa: F401
-    import engine.kernels.liger  # noqa: F401
+    import engine.api
+    import engine.kernels.fla
+    import engine.kernels.liger
     import engine.tiny  # noqa: F401
 
     torch.set_num_threads(1)
     for module in ("liger_kernel.ops.rms_norm", "liger_kernel.ops.swiglu", "liger_kernel.ops.rope", "fla.ops"):
         try:
             __import__(module)
-        except Exception:  # a missing package: the patchsets that need it say so
+        except Exception:  # noqa: BLE001, S110 (a missing package: the patchsets that need it say so)
             pass
 
 

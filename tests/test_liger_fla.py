@@ -25,8 +25,8 @@ from engine.hub_functions import hub_binding, torch_body
 from engine.kernels import registry
 from engine.ops.rms_norm import rms_norm_reference
 from engine.schema import CastOrder, LinearAttentionPatch, Precision, RmsNormPatch, RopePatch, Scale, SwigluPatch
-from engine.verification.compare import judge
 from engine.verification import probe_batch
+from engine.verification.compare import judge
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None

@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 from conftest import tiny_for
-from test_liger_fla import _vendor_vs_torch, interpreted  # noqa: F401 (a fixture)
+from test_liger_fla import _vendor_vs_torch
 
 import engine
 from engine.kernels import registry
@@ -22,6 +22,15 @@ from engine.schema import GegluPatch, LayerNormPatch, RopePatch
 from engine.verification import probe_batch
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+
+
+@pytest.fixture
+def interpreted():
+    """Triton kernels launched in the test run on the CPU with Triton's interpreter (engine's shims)."""
+    from engine.kernels.triton_interpret import interpreting
+
+    with interpreting():
+        yield
 needs_liger = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (extra: cuda)")
 
 

@@ -279,16 +279,8 @@ def _libdevice_replacements() -> dict[int, Callable[..., Any]]:
         return op
 
     table = {"rsqrt": unary(lambda a: 1 / np.sqrt(a)), "tanh": unary(np.tanh), "exp": unary(np.exp),
-             "log": unary(np.log), "sqrt": unary(np.sqrt), "erf": unary(_np_erf)}
+             "log": unary(np.log), "sqrt": unary(np.sqrt)}
     return {id(getattr(libdevice, name)): fn for name, fn in table.items() if hasattr(libdevice, name)}
-
-
-def _np_erf(a: Any) -> Any:
-    import math
-
-    import numpy as np
-
-    return np.vectorize(math.erf, otypes=[a.dtype])(a)
 
 
 _replacements: dict[int, Callable[..., Any]] | None = None
@@ -322,12 +314,10 @@ def _bind_libdevice(namespace: dict[str, Any]) -> None:
 
 def _install_bf16() -> None:
     import numpy as np
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder
-
     import torch
+    import triton.language as tl
     from triton._C.libtriton import ir as _ir
-    from triton.runtime.interpreter import TensorHandle
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
     def to_bf16(h: Any) -> Any:  # round to nearest even, NaN kept NaN
         data = np.ascontiguousarray(h.data)
@@ -421,7 +411,7 @@ def _install_loop_index() -> None:
 
     visit_for = interpreter.ASTTransformer.__dict__.get("visit_For")
 
-    def visit_For(self: Any, node: Any) -> Any:  # noqa: N802 (ast.NodeTransformer's name)
+    def visit_For(self: Any, node: Any) -> Any:
         node = visit_for(self, node) if visit_for is not None else self.generic_visit(node)
         it = node.iter
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range":
