@@ -419,7 +419,19 @@ def _norms_only(tmp_path, **change) -> str:
     return str(path)
 
 
+def test_cli_interpret_refuses_other_devices_and_checkpoints(capsys) -> None:
+    from engine.cli import main
+
+    assert main(["verify", "qwen3", "--interpret", "--device", "npu"]) == 2  # nothing to interpret there
+    assert "--interpret runs the CUDA plan's Triton kernels on this CPU" in capsys.readouterr().err
+    assert main(["verify", "qwen3", "--interpret", "--model", "some/folder"]) == 2
+    assert "--interpret verifies on a tiny model" in capsys.readouterr().err
+
+
 @needs_liger
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PATCH_ENGINE_SLOW_INTERPRET"),
+                    reason="interpreted whole verify, ~40 s on 2 cores: run by .ci/interpret")
 def test_cli_verify_interpret(tmp_path, capsys) -> None:
     """`verify --interpret`: the CUDA plan (liger in the kernel column) run on this CPU; a flipped scale fails
     it, naming the module (exit 1). The passing case: test_interpreted_verify_passes_and_catches_a_wrong_argument."""
@@ -431,7 +443,6 @@ def test_cli_verify_interpret(tmp_path, capsys) -> None:
     rows = [line for line in out.splitlines() if line.startswith("model.layers.0.self_attn.q_norm ")]
     assert rows and all(" liger " in row for row in rows), out
     assert "does not reproduce Qwen3RMSNorm.forward" in out, out
-    assert main(["verify", "qwen3", "--interpret", "--device", "npu"]) == 2  # nothing to interpret there
 
 
 @needs_liger
