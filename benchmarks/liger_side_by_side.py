@@ -43,7 +43,7 @@ def _step(model: Any, batch: dict[str, Any]) -> dict[str, Any]:
     out.loss.backward()
     grads = {k: p.grad.float().clone() for k, p in model.named_parameters() if p.grad is not None}
     model.eval()
-    return {"logits": logits, "loss": float(out.loss), "grads": grads}
+    return {"logits": logits, "loss": float(out.loss.detach()), "grads": grads}
 
 
 def _diff(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
@@ -78,18 +78,24 @@ def _family(name: str) -> dict[str, Any]:
         apply_liger = getattr(lt, f"apply_liger_kernel_to_{name}")
         base = build_tiny_for(load_patchset(name), None, dtype=torch.float32)
         batch = probe_batch(base, batch=1, seq=8)
-        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        dtypes = (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        refs, mine = {}, {}
+        for dtype_name, dtype in dtypes:  # every original and ours first: Liger's patching is process-wide
             original = copy.deepcopy(base).to(dtype)
-            ours, liger = copy.deepcopy(original), copy.deepcopy(original)
-            ref = _step(original, batch)
+            ours = copy.deepcopy(original)
+            refs[dtype_name] = _step(original, batch)
             with interpreting():
                 report = engine.apply(ours, name, device="cuda")
                 out["ours_kernels"] = sorted({f"{d.op}:{d.kernel}" for d in report.decisions if d.action == "patch"})
-                mine = _step(ours, batch)
+                mine[dtype_name] = _step(ours, batch)
                 engine.revert(ours)
-                apply_liger(model=liger)  # last: it also rebinds module-level names of the modeling module
+        for dtype_name, dtype in dtypes:
+            liger = copy.deepcopy(base).to(dtype)
+            with interpreting():
+                apply_liger(model=liger)  # also rebinds module-level names of the modeling module
                 theirs = _step(liger, batch)
-            out[dtype_name] = {"ours": _diff(mine, ref), "liger": _diff(theirs, ref)}
+            out[dtype_name] = {"ours": _diff(mine[dtype_name], refs[dtype_name]),
+                               "liger": _diff(theirs, refs[dtype_name])}
     except Exception as exc:  # noqa: BLE001 (recorded: the run goes on to the next)
         out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     out["seconds"] = round(time.perf_counter() - start, 1)
