@@ -80,12 +80,19 @@ def peak_rise(fn: Any, mark: str = "aten::embedding") -> tuple[float, float, flo
     seconds = time.perf_counter() - start
     raw = list(prof.profiler.kineto_results.events())
     events = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
-    level = peak = 0
-    for _, nbytes in events:
+    level = peak = at = 0
+    for t, nbytes in events:
         level += nbytes
-        peak = max(peak, level)
+        if level > peak:
+            peak, at = level, t
     first = min(e.start_ns() for e in raw if e.name() == mark)
+    around = [e for e in raw if e.name() != "[memory]" and e.start_ns() <= at <= e.start_ns() + e.duration_ns()]
+    global PEAK_OPS  # where the peak is: the ops running at that moment, outermost first
+    PEAK_OPS = [e.name() for e in sorted(around, key=lambda e: e.start_ns())][:6]
     return peak / MIB, sum(n for t, n in events if t < first) / MIB, seconds
+
+
+PEAK_OPS: list[str] = []
 
 
 def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int], lean: bool) -> dict[str, Any]:
@@ -121,7 +128,7 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     peak, at_backbone, seconds = peak_rise(step)
     row = {"framework": "zero3-lean" if lean else "zero3", "hidden": hidden, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
-           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external}
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external, "peak_ops": PEAK_OPS}
     if variant != "unpatched":
         engine.revert(model)
     ds_engine.destroy()
@@ -160,7 +167,8 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
     peak, at_backbone, seconds = peak_rise(step)
     row = {"framework": "fsdp2", "hidden": config.hidden_size, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
-           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None}
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None,
+           "peak_ops": PEAK_OPS}
     return row
 
 
