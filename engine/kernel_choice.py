@@ -97,5 +97,7 @@ def _resolve_auto(
             passed.append(f"{name}: {exc}")
             continue
         why = f"auto: first available for {device.value}"
+        if provider.auto_note is not None:
+            why += f" ({provider.auto_note()})"
         return provider, why + (f" (passed over {'; '.join(passed)})" if passed else "")
     raise KernelNotFound(f"no kernel for op {op!r} runs on {device.value} in {mode}")

@@ -98,6 +98,7 @@ class KernelProvider:
     description: str = ""
     supports: Callable[[Any], str | None] | None = None
     dtensor: bool = False
+    auto_note: Callable[[], str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Providers are registry singletons whose `build` may be a lambda: pickle the name.
