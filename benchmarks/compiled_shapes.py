@@ -3,10 +3,12 @@
 Why: a compiled call has a fixed cost (dynamo's guards, the AOT wrapper) that a large input
 hides and a small one does not; decode runs every norm and MLP product on one row per
 sequence. This measures, per rows count, the torch reference (eager) against the compiled
-function called directly (no eager cut-off), no grad, fp32 and bf16, interleaved, median of
-``--repeats``; it is what ``engine.kernels.compiled.EAGER_BELOW_ROWS`` is set from.
+function called directly (no rule, no eager cut-off), for the norms and gated products of the
+two real checkpoints, without gradients and with them (forward + backward), fp32 and bf16,
+interleaved, median of ``--repeats``, with the load average of each row; it is what the rule
+``auto`` applies (``engine/_data/compiled_rows.yaml``) is set from.
 
-    flock /tmp/heavy.lock python benchmarks/compiled_shapes.py
+    python benchmarks/compiled_shapes.py --repeats 5 --inner 100
 
 Writes ``benchmarks/results/compiled_shapes_cpu.json`` and the "compiled-shapes" section of
 ``benchmarks/results/cpu.md``.

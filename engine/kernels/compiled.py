@@ -10,6 +10,9 @@ disabled (``PATCH_ENGINE_COMPILE=0``) and tests/test_compiled.py checks them wit
 Which ops: only those listed in :data:`COMPILED_OPS`, the ones where the benchmark
 (benchmarks/run.py) shows a win. ``auto`` on CPU tries ``compiled`` first (AUTO_ORDER), so
 this table is the data that decides what ``auto`` picks; an op not in it gets ``torch``.
+Where, within an op: :func:`rule` (``engine/_data/compiled_rows.yaml``, measured) says from
+how many rows, per dtype and mode, a call runs compiled; every other call runs the torch
+reference eagerly, so ``auto`` never pays a compiled call's fixed cost where it does not win.
 
 Compilation is lazy (first call) and cached: one kernel per (op, settings that change the
 math), shared by every module and model in the process, and inside it one compiled function
@@ -19,8 +22,7 @@ object at most ``recompile_limit`` (8) times and then runs it eagerly without a 
 function serving every norm shape, prefill and decode, fp32 and bf16, inference and training
 hit that limit in one session on Gemma 3 (issue 17). Norms and gated products act on the last
 dimension, so they are compiled on their input seen as ``[rows, last dim]`` (:func:`by_rows`):
-every hidden and per-head shape, batch and length is one class per dtype and grad mode. A few
-rows (decode's one token) run eagerly: there the compiled call's fixed cost is the whole call.
+every hidden and per-head shape, batch and length is one class per dtype and grad mode.
 Compiles use ``fullgraph=True``, so a limit still hit raises inside dynamo and we warn.
 
 No C++ compiler: detected up front by the provider's requirement check, so ``auto`` passes
@@ -274,16 +276,16 @@ def by_rows(kernel: _CompiledKernel, flat: int, op: str) -> Callable[..., Any]:
 
     def run(*args: Any) -> Any:
         x = args[0]
+        if FORCED_ROWS is None:  # the rule; its common answer (the reference) first, at a dict lookup's cost
+            least = thresholds.get((x.dtype, torch.is_grad_enabled() and (x.requires_grad or args[1].requires_grad)))
+            if least is None:
+                return reference(*args)
+        else:
+            least = FORCED_ROWS
         shape = x.shape
         last = shape[-1] if shape else 0
         rows = x.numel() // last if last else 0
-        if FORCED_ROWS is not None:
-            least = FORCED_ROWS
-        else:
-            training = torch.is_grad_enabled() and any(a.requires_grad for a in args[:2])
-            least = thresholds.get((x.dtype, training))
-        if least is None or rows < least or torch.compiler.is_compiling() \
-                or any(a.shape != shape for a in args[1:flat]):
+        if rows < least or torch.compiler.is_compiling() or any(a.shape != shape for a in args[1:flat]):
             return reference(*args)
         out = kernel(*(a.reshape(rows, last) for a in args[:flat]), *args[flat:])
         return out.view(shape)
@@ -375,6 +377,6 @@ for _op, _build in COMPILED_OPS.items():
             has_backward=True,
             compile_safe=True,
             description="torch reference through torch.compile (inductor); needs a C++ compiler on CPU",
-            auto_note=_MOE_NOTE if _op == "moe_experts" else functools.partial(rule_text, _op),
+            rule_note=_MOE_NOTE if _op == "moe_experts" else functools.partial(rule_text, _op),
         )
     )
