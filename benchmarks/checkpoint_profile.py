@@ -55,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-seq", type=int, default=512)
     parser.add_argument("--forward-seq", type=int, default=384)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--works", nargs="+", default=["train", "forward", "decode"], choices=["train", "forward", "decode"])
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/checkpoint_profile_cpu.json"))
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load(gguf=checkpoint_file("smollm2"))
     gen = torch.Generator().manual_seed(0)
     train_ids = torch.randint(0, model.config.vocab_size, (1, args.train_seq), generator=gen)
@@ -78,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = (("unpatched", None, contextlib.nullcontext), ("patched (auto)", {}, contextlib.nullcontext),
                 ("patched, compiled from 16 rows", {}, lambda: compiled.compiled_from(16)))
     results = {}
-    for work, fn, mode in (("train", train, "training"), (f"forward {args.forward_seq}", forward, "inference"),
-                           ("decode 8 tokens", decode, "inference")):
+    works = {"train": ("train", train, "training"), "forward": (f"forward {args.forward_seq}", forward, "inference"),
+             "decode": ("decode 8 tokens", decode, "inference")}
+    for work, fn, mode in (works[w] for w in args.works):
         for variant, settings, context in variants:
             model.train(mode == "training")
             if settings is not None:
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"compiled regions {r['compiled_self_ms']:.0f} ms (load average {r['load_average']:.1f})")
             for t in r["top"]:
                 print(f"  {t['self_ms']:9.1f} ms  {t['calls']:5d}x  {t['op'][:90]}")
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=1) + "\n")
     return 0
 
 

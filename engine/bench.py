@@ -413,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     real.add_argument("--decode-prompts", type=int, nargs="*", default=[1, 128],
                       help="prompt lengths of the greedy decodes (none: no decode rows)")
     real.add_argument("--new-tokens", type=int, default=16, help="tokens each greedy decode generates")
+    real.add_argument("--no-fused-head", action="store_true", help="leave out the training step's fused-head variant")
+    real.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 measures work, not scheduling, "
+                      "on a CPU shared with other jobs)")
     real.add_argument("--compiled-from", type=int, metavar="ROWS",
                       help="one more variant: every call of at least ROWS rows compiled, whatever the rule says")
     args = parser.parse_args(argv)
@@ -430,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_cli(args.checkpoint, args.gguf, args.model, args.patchset, Path(args.out), args.train_seq,
                              tuple(args.forward_seq), args.repeats or 5, command,
                              decode_prompts=tuple(args.decode_prompts), new_tokens=args.new_tokens,
-                             compiled_from=args.compiled_from)
+                             compiled_from=args.compiled_from, fused_head=not args.no_fused_head,
+                             threads=args.threads)
         except PatchError as exc:
             print(f"patch-engine bench: {exc}", file=sys.stderr)
             return 2

@@ -133,7 +133,7 @@ class Work:
 
 
 def _works(model: nn.Module, train_seq: int, forward_seqs: tuple[int, ...], decode_prompts: tuple[int, ...],
-           new_tokens: int) -> list[Work]:
+           new_tokens: int, fused_head: bool = True) -> list[Work]:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     train_ids = torch.randint(0, vocab, (1, train_seq), generator=gen)
@@ -145,7 +145,8 @@ def _works(model: nn.Module, train_seq: int, forward_seqs: tuple[int, ...], deco
         return float(loss.detach())
 
     if train_seq:
-        works.append(Work("train", train_seq, train, tuple(VARIANTS), peak=True))
+        works.append(Work("train", train_seq, train, tuple(VARIANTS) if fused_head else ("unpatched", "patched"),
+                          peak=True))
     for n in forward_seqs:
         ids = torch.randint(0, vocab, (1, n), generator=gen)
 
@@ -168,7 +169,8 @@ def _works(model: nn.Module, train_seq: int, forward_seqs: tuple[int, ...], deco
 
 def bench_checkpoint(model: nn.Module, patchset: str | None = None, *, train_seq: int = 512,
                      forward_seq: int | tuple[int, ...] = (16, 128, 384), decode_prompts: tuple[int, ...] = (1, 128),
-                     new_tokens: int = 16, repeats: int = 5, compiled_from: int | None = None) -> dict[str, Any]:
+                     new_tokens: int = 16, repeats: int = 5, compiled_from: int | None = None,
+                     fused_head: bool = True) -> dict[str, Any]:
     """Train step, forwards and greedy decodes of ``model``, unpatched vs patched (see the module doc).
 
     Each variant runs in the mode its work is planned for: the training step with ``model.train()``
@@ -182,7 +184,7 @@ def bench_checkpoint(model: nn.Module, patchset: str | None = None, *, train_seq
 
     patchset = patchset or _default_patchset(model)
     forward_seqs = (forward_seq,) if isinstance(forward_seq, int) else tuple(forward_seq)
-    works = _works(model, train_seq, forward_seqs, tuple(decode_prompts), new_tokens)
+    works = _works(model, train_seq, forward_seqs, tuple(decode_prompts), new_tokens, fused_head)
     forced = f"patched, compiled from {compiled_from} rows"
     if compiled_from is not None:
         works = [replace(w, variants=(*w.variants, forced)) for w in works]
@@ -270,16 +272,19 @@ def markdown(result: dict[str, Any], name: str, command: str) -> str:
 def run_cli(name: str | None, gguf: str | None, model_path: str | None, patchset: str | None, out: Path,
             train_seq: int, forward_seq: tuple[int, ...], repeats: int, command: str, *,
             decode_prompts: tuple[int, ...] = (1, 128), new_tokens: int = 16,
-            compiled_from: int | None = None) -> dict[str, Any]:
+            compiled_from: int | None = None, fused_head: bool = True, threads: int | None = None) -> dict[str, Any]:
     """What ``patch-engine bench --checkpoint/--gguf/--model`` does: measure, write JSON and a cpu.md section."""
     from engine.results_sections import write_section
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     if name is not None:
         gguf = str(checkpoint_file(name))
     model = load(model_path, gguf)
     label = name or Path(gguf or model_path or "model").stem
     result = bench_checkpoint(model, patchset, train_seq=train_seq, forward_seq=forward_seq, repeats=repeats,
-                              decode_prompts=decode_prompts, new_tokens=new_tokens, compiled_from=compiled_from)
+                              decode_prompts=decode_prompts, new_tokens=new_tokens, compiled_from=compiled_from,
+                              fused_head=fused_head)
     result["checkpoint"] = label
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in label.lower())
