@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--model", help="a from_pretrained folder")
     real.add_argument("--patchset", help="default: the bundled patchset of the model's model_type")
     real.add_argument("--train-seq", type=int, default=512)
-    real.add_argument("--forward-seq", type=int, nargs="+", default=[16, 128, 384])
+    real.add_argument("--forward-seq", type=int, nargs="*", default=[16, 128, 384])
     real.add_argument("--decode-prompts", type=int, nargs="*", default=[1, 128],
                       help="prompt lengths of the greedy decodes (none: no decode rows)")
     real.add_argument("--new-tokens", type=int, default=16, help="tokens each greedy decode generates")
