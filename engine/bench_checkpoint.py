@@ -235,6 +235,7 @@ def bench_checkpoint(model: nn.Module, patchset: str | None = None, *, train_seq
         base = next(r for r in rows if (r["work"], r["seq"], r["variant"]) == (row["work"], row["seq"], "unpatched"))
         row["speedup_vs_unpatched"] = base["seconds"] / row["seconds"]
         row["time_vs_unpatched"] = row["seconds"] / base["seconds"]
+        row["paired_time_x"] = paired_ratio(row["times"], base["times"])
         row["peak_vs_unpatched"] = None if row["peak_rise_MiB"] is None else row["peak_rise_MiB"] / base["peak_rise_MiB"]
         row["loss_diff_vs_unpatched"] = None if row["loss"] is None else abs(row["loss"] - base["loss"])
     params = sum(p.numel() for p in model.parameters())
@@ -244,19 +245,30 @@ def bench_checkpoint(model: nn.Module, patchset: str | None = None, *, train_seq
             "load_average_before": load_before, "load_average": os.getloadavg()[0], "rows": rows}
 
 
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """The median over rounds of this variant's time / the unpatched time of the same round.
+
+    Why beside the ratio of medians: the variants of one round run back to back, so the load of
+    the machine, which drifts between rounds (2-4x on a shared CPU), cancels in each pair.
+    """
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
+
+
 def markdown(result: dict[str, Any], name: str, command: str) -> str:
     title = (f"### Real checkpoint: {name} ({result['model_type']}, {result['parameters'] / 1e6:.0f}M parameters, "
              f"{result['dtype']}, patchset `{result['patchset']}`)")
     load = (f" (load average {result['load_average_before']:.1f} before, {result['load_average']:.1f} after)"
             if "load_average_before" in result else "")
     method = (f"Written by `{command}`: time = median of {result['repeats']} interleaved runs (one warm-up round "
-              "first); time x = patched time / unpatched time (lower is faster); peak = the allocator's peak rise "
+              "first); time x = patched time / unpatched time (lower is faster), of the medians; paired x = the "
+              "median over rounds of that ratio within a round (the load cancels in each pair); peak = the allocator's "
+              "peak rise "
               "over the call (`torch.profiler`, `profile_memory`; gradients cleared before it); greedy decode: "
               f"{result.get('new_tokens', '-')} new tokens; torch {result['torch']}, {result['threads']} threads; "
               f"the machine is shared{load}.")
     lines = [title, "", method, "",
-             "| work | variant | time s | time x | peak rise MiB | vs unpatched | loss (diff) / same tokens |",
-             "|---|---|---|---|---|---|---|"]
+             "| work | variant | time s | time x | paired x | peak rise MiB | vs unpatched | loss (diff) / same tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["loss"] is not None:
             last = f"{r['loss']:.5f} ({r['loss_diff_vs_unpatched']:.1e})"
@@ -264,8 +276,10 @@ def markdown(result: dict[str, Any], name: str, command: str) -> str:
             last = "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else "no")
         peak = "-" if r["peak_rise_MiB"] is None else f"{r['peak_rise_MiB']:.0f} | {r['peak_vs_unpatched']:.2f}x"
         peak = peak if "|" in peak else f"{peak} | -"
+        base = next(b for b in result["rows"] if (b["work"], b["seq"], b["variant"]) == (r["work"], r["seq"], "unpatched"))
+        paired = paired_ratio(r["times"], base["times"])
         lines.append(f"| {r.get('label', r['work'])} | {r['variant']} | {r['seconds']:.3f} | "
-                     f"{r['time_vs_unpatched']:.2f}x | {peak} | {last} |")
+                     f"{r['time_vs_unpatched']:.2f}x | {paired:.2f}x | {peak} | {last} |")
     return "\n".join(lines) + "\n"
 
 
