@@ -61,9 +61,10 @@ def _kernels(scale: Scale | None) -> dict[str, tuple[Any, Any]]:
     """op -> (the torch reference, the compiled function called directly: no eager cut-off)."""
     patch = RmsNormPatch(target="N", op="rms_norm", scale=scale or Scale.weight,
                          cast=CastOrder.fp32 if scale is Scale.one_plus_weight else CastOrder.llama)
+    norm = registry.get("compiled", "rms_norm").build(patch).kernel
     return {
         "rms_norm": (lambda a, w: rms_norm_reference(a, w, 1e-6, scale=patch.scale, cast=patch.cast),
-                     lambda a, w, k=registry.get("compiled", "rms_norm").build(patch).kernel: k(a, w, 1e-6)),
+                     lambda a, w: norm(a, w, 1e-6)),
         "swiglu": (silu_mul_reference, registry.get("compiled", "swiglu").build(None).kernel),
         "geglu": (lambda g, u: gelu_mul_reference(g, u, "tanh"),
                   registry.get("compiled", "geglu").build(GegluPatch(target="M", op="geglu")).kernel),

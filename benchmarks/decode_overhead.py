@@ -76,14 +76,14 @@ def run(rounds: int, calls: int) -> list[dict[str, Any]]:
         engine.apply(patched, model_type, device="cpu", mode="inference")
         x = torch.randn(1, 1, config["hidden_size"])
         kwargs = _layer_inputs(reference, x)
-        parts = {"norm": lambda m: m.model.layers[0].input_layernorm(x),
-                 "mlp": lambda m: m.model.layers[0].mlp(x),
-                 "decoder layer": lambda m: m.model.layers[0](x, **kwargs)}
+        parts = {"norm": lambda m, x=x: m.model.layers[0].input_layernorm(x),
+                 "mlp": lambda m, x=x: m.model.layers[0].mlp(x),
+                 "decoder layer": lambda m, x=x, kw=kwargs: m.model.layers[0](x, **kw)}
         for part, call in parts.items():
             with torch.no_grad():
                 assert torch.allclose(torch.as_tensor(_first(call(patched))), torch.as_tensor(_first(call(reference))),
                                       atol=1e-6, rtol=0), (label, part)
-                t = _best({"unpatched": lambda c=call: c(reference), "patched": lambda c=call: c(patched)},
+                t = _best({"unpatched": lambda c=call, m=reference: c(m), "patched": lambda c=call, m=patched: c(m)},
                           rounds, calls)
             row = {"model": label, "part": part, "unpatched_us": t["unpatched"], "patched_us": t["patched"],
                    "overhead_us": t["patched"] - t["unpatched"], "time_x": t["patched"] / t["unpatched"],
