@@ -56,7 +56,7 @@ def resolve_kernel(
         except MissingDependency as exc:
             problem = exc
     if problem is None:
-        return provider, f"{choice} (declared)"
+        return provider, f"{choice} (declared)" + (f" ({provider.rule_note()})" if provider.rule_note else "")
     if on_unsupported is OnUnsupported.error:
         raise problem
     if on_unsupported is OnUnsupported.skip:
@@ -97,5 +97,7 @@ def _resolve_auto(
             passed.append(f"{name}: {exc}")
             continue
         why = f"auto: first available for {device.value}"
+        if provider.rule_note is not None:
+            why += f" ({provider.rule_note()})"
         return provider, why + (f" (passed over {'; '.join(passed)})" if passed else "")
     raise KernelNotFound(f"no kernel for op {op!r} runs on {device.value} in {mode}")
