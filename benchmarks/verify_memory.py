@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((ln for ln in done.stdout.splitlines() if ln.startswith("ROW ")), None)
         rows.append(json.loads(line[4:]) if line else {"row": row, "error": done.stderr.strip().splitlines()[-1:]})
-        print(json.dumps(rows[-1])[:400], flush=True)
+        print(json.dumps(rows[-1]), flush=True)
+        args.out.write_text(json.dumps({"command": None, "rows": rows}, indent=1))  # what is done so far
     command = "PYTHONPATH=. python benchmarks/verify_memory.py --rows " + " ".join(args.rows)
     args.out.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(markdown(rows, command))
