@@ -255,7 +255,7 @@ def _truth_run(
         if mine is not None:  # on the truth's device: the held gradient comes to it a chunk at a time
             grads.noise[name] = (max_abs_diff(exact, mine), max_abs(exact))
 
-    sink = GradientSink(arrived)
+    sink = GradientSink(arrived, held)
     truth = fp64_truth(original, sink)
     with _no_checkpointing(original):
         out = _run(original, batch, forward_in=truth)
