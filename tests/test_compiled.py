@@ -143,6 +143,19 @@ def test_auto_picks_compiled_on_cpu_and_the_model_matches() -> None:
         assert torch.allclose(pat_grads[k], ref_grads[k], atol=1e-5, rtol=0), k
 
 
+def test_verify_checks_the_compiled_code_a_larger_batch_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe is below the rule's bf16 threshold: verify's kernel check still runs (and judges) the compiled code."""
+    monkeypatch.setattr(compiled, "FORCED_ROWS", None)  # the measured rule, as a user has it
+    compiled.clear_cache()
+    model = tiny_for("qwen3")
+    report = engine.verify(model, "qwen3", device="cpu", modules="sample")
+    assert report.passed, report
+    kernel_rows = [c for c in report.checks if c.what == "kernel" and c.op == "rms_norm"]
+    assert len({c.dtype for c in kernel_rows}) == 2, kernel_rows  # fp32 and bf16, both judged
+    built = [key for key, k in compiled.kernels().items() if k.functions]
+    assert any(key[0] == "rms_norm" for key in built), "verify judged the reference, not the compiled code"
+
+
 def test_retain_graph_and_double_backward_as_in_eager() -> None:
     """backward(retain_graph=True) twice, then a gradient penalty (create_graph=True), patched vs unpatched.
 
