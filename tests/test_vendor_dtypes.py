@@ -1,0 +1,76 @@
+"""``kernel: auto`` on CUDA passes over vendor kernels measured to fail the verifier at the model's dtype.
+
+The measurements (engine/_data/vendor_dtypes.yaml) come from the interpreted verify
+(``verify --device cuda --interpret``): liger's fused MoE computes its fp32 dots in TF32, fla's chunk
+kernels in TF32 (fp32) and with bf16 intermediates (bf16). Plans only: no kernel runs here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import tiny_for
+
+import engine
+from engine.kernel_choice import resolve_kernel
+from engine.kernels.vendor_dtypes import unverified
+from engine.loader import load_patchset
+from engine.schema import Device, OnUnsupported
+from engine.verification.modules import _unverified_elsewhere
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("fla") is None,
+    reason="liger-kernel and fla (extra: cuda) decide what auto picks on CUDA",
+)
+
+
+def _experts(plan: engine.Plan) -> list:
+    return [d for d in plan.decisions if d.op == "moe_experts" and d.action == "patch"]
+
+
+@pytest.fixture(scope="module")
+def moe_models() -> dict[torch.dtype, torch.nn.Module]:
+    return {dt: tiny_for("qwen3_moe", dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+
+
+def test_fp32_moe_passes_liger_over_bf16_takes_it(moe_models) -> None:
+    fp32 = _experts(engine.plan(moe_models[torch.float32], "qwen3_moe", device="cuda", mode="training"))
+    bf16 = _experts(engine.plan(moe_models[torch.bfloat16], "qwen3_moe", device="cuda", mode="training"))
+    assert fp32 and bf16
+    assert {d.kernel for d in fp32} == {"grouped_mm"}
+    assert "passed over liger: liger fused MoE" in fp32[0].reason and "TF32" in fp32[0].reason
+    assert {d.kernel for d in bf16} == {"liger"}
+    # the bf16 model's kernel is checked in fp32 too: a failure there is shown, not counted
+    assert _unverified_elsewhere(bf16[0], torch.float32) is not None
+    assert _unverified_elsewhere(bf16[0], torch.bfloat16) is None
+
+
+def test_explicit_liger_in_fp32_is_kept_with_a_warning(moe_models) -> None:
+    ps = load_patchset("qwen3_moe").model_dump(mode="json", exclude_none=True)
+    for p in ps["patches"]:
+        if p.get("op") == "moe_experts":
+            p["kernel"] = "liger"
+    got = _experts(engine.plan(moe_models[torch.float32], ps, device="cuda", mode="training"))
+    assert {d.kernel for d in got} == {"liger"}
+    assert "warning" in got[0].reason and "verify measures the difference" in got[0].reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_chunk_passed_over_in_both_dtypes_declared_kept(dtype) -> None:
+    patch = next(p for p in load_patchset("qwen3_5_text").patches if p.op == "linear_attention")
+    auto, why = resolve_kernel("linear_attention", "auto", Device.cuda, "training", OnUnsupported.error,
+                               patch=patch, dtype=dtype)
+    assert auto.name == "torch" and "passed over fla: fla chunk kernels" in why
+    fla, why = resolve_kernel("linear_attention", "fla", Device.cuda, "training", OnUnsupported.error,
+                              patch=patch, dtype=dtype)
+    assert fla.name == "fla" and "warning" in why
+
+
+def test_rule_is_for_cuda_and_known_dtypes_only() -> None:
+    assert unverified("liger", "moe_experts", "cuda", torch.float32) is not None
+    assert unverified("liger", "moe_experts", "cuda", torch.bfloat16) is None
+    assert unverified("liger", "moe_experts", "npu", torch.float32) is None  # measured on NVIDIA's TF32 only
+    assert unverified("liger", "moe_experts", "cuda", None) is None
+    assert unverified("liger", "rms_norm", "cuda", torch.float32) is None
