@@ -74,3 +74,22 @@ def test_rule_is_for_cuda_and_known_dtypes_only() -> None:
     assert unverified("liger", "moe_experts", "npu", torch.float32) is None  # measured on NVIDIA's TF32 only
     assert unverified("liger", "moe_experts", "cuda", None) is None
     assert unverified("liger", "rms_norm", "cuda", torch.float32) is None
+
+
+def test_fp32_moe_cuda_plan_passes_verify_interpreted(moe_models) -> None:
+    """The default CUDA plan of an fp32 MoE model, its liger kernels run by Triton's interpreter, passes
+    verify (with liger's fused MoE it failed: 2.2e+03x the original's own error)."""
+    from engine.kernels.triton_interpret import interpreting
+    from engine.verification import probe_batch, verify
+
+    model = moe_models[torch.float32]
+    with interpreting():
+        report = engine.apply(model, "qwen3_moe", device="cuda")
+        try:
+            assert {d.kernel for d in report.decisions if d.op == "rms_norm" and d.action == "patch"} == {"liger"}
+            verdict = verify(model, batch=probe_batch(model, batch=1, seq=8), modules="sample",
+                             raise_on_failure=False)
+        finally:
+            engine.revert(model)
+    assert verdict.passed, verdict.table()
+    assert any(c.op == "moe_experts" and c.kernel == "grouped_mm" for c in verdict.checks)
