@@ -93,3 +93,30 @@ def test_fp32_moe_cuda_plan_passes_verify_interpreted(moe_models) -> None:
             engine.revert(model)
     assert verdict.passed, verdict.table()
     assert any(c.op == "moe_experts" and c.kernel == "grouped_mm" for c in verdict.checks)
+
+
+def test_bf16_model_liger_moe_fp32_check_shown_not_counted(moe_models) -> None:
+    """A bf16 model keeps liger's fused MoE; verify's fp32 check of it (TF32 dots, interpreted) fails
+    as measured and is shown with the reason, not counted; its bf16 check passes on its own merits."""
+    from engine.kernels.triton_interpret import interpreting
+    from engine.verification.modules import verify_module
+
+    model = moe_models[torch.bfloat16]
+    with interpreting():
+        report = engine.apply(model, "qwen3_moe", device="cuda")
+        try:
+            d = next(x for x in report.decisions if x.op == "moe_experts" and x.action == "patch")
+            module = model.get_submodule(d.path)
+            experts, hidden = module.down_proj.shape[0], module.down_proj.shape[1]
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(8, hidden, generator=g)
+            index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(8)])
+            weights = torch.softmax(torch.randn(8, 2, generator=g), -1)
+            checks = verify_module(d, module, (x, index, weights), {}, torch.bfloat16)
+        finally:
+            engine.revert(model)
+    kernel = {c.dtype: c for c in checks if c.what == "kernel"}
+    assert d.kernel == "liger" and set(kernel) == {"fp32", "bf16"}
+    assert kernel["fp32"].passed and kernel["fp32"].note.startswith("not counted (the model is bf16)")
+    assert kernel["fp32"].max_abs > 1e-4  # the TF32 difference is really there (fp32 rounding is ~1e-7)
+    assert kernel["bf16"].passed and not kernel["bf16"].note.startswith("not counted")

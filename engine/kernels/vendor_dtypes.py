@@ -39,4 +39,4 @@ def unverified(provider: str, op: str, device: str, dtype: torch.dtype | None) -
     if entry is None or name is None or name in entry["passes"] or device not in entry["devices"]:
         return None
     passes = ", ".join(entry["passes"]) or "none"
-    return f"{entry['reason']} (verified in: {passes}; this model is {name})"
+    return f"{entry['reason']} (passes verify in: {passes}; not in {name})"
