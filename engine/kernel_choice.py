@@ -37,6 +37,15 @@ def resolve_kernel(
     choice = spec if isinstance(spec, str) else spec.get(device, "auto")
     if choice == "auto":
         return _resolve_auto(op, device, mode, patch, dtensor, dtype)
+    provider, why = _resolve_declared(op, choice, device, mode, on_unsupported, patch, dtensor)
+    if provider is not None and provider.name == choice and (bad := unverified(choice, op, device.value, dtype)):
+        why += f" (warning: {bad}; verify measures the difference)"
+    return provider, why
+
+
+def _resolve_declared(
+    op: str, choice: str, device: Device, mode: Mode, on_unsupported: OnUnsupported, patch: Any, dtensor: str | None
+) -> tuple[KernelProvider | None, str]:
     provider = registry.get(choice, op)
     problem: Exception | None = None
     if dtensor is not None and not provider.dtensor:
@@ -59,8 +68,6 @@ def resolve_kernel(
         except MissingDependency as exc:
             problem = exc
     if problem is None:
-        if (why := unverified(choice, op, device.value, dtype)) is not None:
-            return provider, f"{choice} (declared; warning: {why}; verify measures the difference)"
         return provider, f"{choice} (declared)"
     if on_unsupported is OnUnsupported.error:
         raise problem
@@ -96,8 +103,8 @@ def _resolve_auto(
         if (unfit := _unfit(provider, patch)) is not None:
             passed.append(f"{name}: {unfit}")
             continue
-        if (why := unverified(name, op, device.value, dtype)) is not None:
-            passed.append(f"{name}: {why}")
+        if (bad := unverified(name, op, device.value, dtype)) is not None:
+            passed.append(f"{name}: {bad}")
             continue
         try:
             provider.check_dependencies()
