@@ -105,16 +105,6 @@ def verify_module(
     return checks + kernel_checks
 
 
-def _unverified_elsewhere(d: Any, dtype: torch.dtype) -> str | None:
-    """Why ``d``'s vendor kernel is measured to fail the verifier in ``dtype`` (so ``auto`` picks it only
-    in models of another dtype; :mod:`engine.kernels.vendor_dtypes`), or ``None``."""
-    from engine.kernels.vendor_dtypes import unverified
-
-    provider = d.provider
-    devices = sorted(dev.value for dev in provider.devices) if provider is not None else []
-    return next((why for dev in devices if (why := unverified(d.kernel, d.op, dev, dtype)) is not None), None)
-
-
 @contextlib.contextmanager
 def _original(model: nn.Module | None) -> Iterator[None]:
     """``model`` with every forward original and its package-bound functions on torch (see ``models._original``)."""
@@ -189,3 +179,13 @@ def _judge(
     with torch.no_grad(), fp64_truth(module), same_draws(module):
         truth = original(*args, **kwargs)
     return judge(got, expected, truth)
+
+
+def _unverified_elsewhere(d: Any, dtype: torch.dtype) -> str | None:
+    """Why ``d``'s vendor kernel is measured to fail the verifier in ``dtype`` (so ``auto`` picks it only
+    in models of another dtype; :mod:`engine.kernels.vendor_dtypes`), or ``None``."""
+    from engine.kernels.vendor_dtypes import unverified
+
+    provider = d.provider
+    devices = sorted(dev.value for dev in provider.devices) if provider is not None else []
+    return next((why for dev in devices if (why := unverified(d.kernel, d.op, dev, dtype)) is not None), None)
