@@ -57,8 +57,12 @@ DS_CONFIG = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
 }
+#: ``--lean``: the ZeRO-3 settings that release what is not in use (by default, at this model's size, ZeRO-3
+#: keeps every gathered parameter until its next use and every gradient in its reduce bucket to the backward's end).
+LEAN = {"stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+        "reduce_bucket_size": 10**7}
 VARIANTS = ("unpatched", "fused")
-FRAMEWORKS = ("zero3", "fsdp2")
+FRAMEWORKS = ("zero3", "zero3-lean", "fsdp2")
 
 
 def peak_rise(fn: Any, mark: str = "aten::embedding") -> tuple[float, float, float]:
@@ -76,22 +80,30 @@ def peak_rise(fn: Any, mark: str = "aten::embedding") -> tuple[float, float, flo
     seconds = time.perf_counter() - start
     raw = list(prof.profiler.kineto_results.events())
     events = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
-    level = peak = 0
-    for _, nbytes in events:
+    level = peak = at = 0
+    for t, nbytes in events:
         level += nbytes
-        peak = max(peak, level)
+        if level > peak:
+            peak, at = level, t
     first = min(e.start_ns() for e in raw if e.name() == mark)
+    around = [e for e in raw if e.name() != "[memory]" and e.start_ns() <= at <= e.start_ns() + e.duration_ns()]
+    global PEAK_OPS  # where the peak is: the ops running at that moment, outermost first
+    PEAK_OPS = [e.name() for e in sorted(around, key=lambda e: e.start_ns())][:6]
     return peak / MIB, sum(n for t, n in events if t < first) / MIB, seconds
 
 
-def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int]) -> dict[str, Any]:
+PEAK_OPS: list[str] = []
+
+
+def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int], lean: bool) -> dict[str, Any]:
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     import engine
 
-    keep = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  transformers builds the model under zero.Init while this lives
+    ds_config = {**DS_CONFIG, "zero_optimization": DS_CONFIG["zero_optimization"] | (LEAN if lean else {})}
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  transformers builds the model under zero.Init while this lives
     config = AutoConfig.for_model("qwen3", **(CONFIG | sizes), tie_word_embeddings=tied)
     vocab, hidden = config.vocab_size, config.hidden_size
     torch.manual_seed(0)
@@ -101,7 +113,7 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     if variant != "unpatched":
         engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
     ds_engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-4),
-                                         config=DS_CONFIG)
+                                         config=ds_config)
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(rank))
 
     def step() -> float:
@@ -114,9 +126,9 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     external = sorted(getattr(model, "_external_params", {}).keys())
     head_external = id(model.lm_head.weight) in external
     peak, at_backbone, seconds = peak_rise(step)
-    row = {"framework": "zero3", "variant": variant, "tied": tied, "seq": seq, "rank": rank,
+    row = {"framework": "zero3-lean" if lean else "zero3", "hidden": hidden, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
-           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external}
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external, "peak_ops": PEAK_OPS}
     if variant != "unpatched":
         engine.revert(model)
     ds_engine.destroy()
@@ -153,13 +165,15 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
 
     warm = step()
     peak, at_backbone, seconds = peak_rise(step)
-    row = {"framework": "fsdp2", "variant": variant, "tied": tied, "seq": seq, "rank": rank,
+    row = {"framework": "fsdp2", "hidden": config.hidden_size, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
-           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None}
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None,
+           "peak_ops": PEAK_OPS}
     return row
 
 
-def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: str, sizes: dict[str, int]) -> None:
+def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: str, sizes: dict[str, int],
+           lean: bool = False) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
@@ -169,7 +183,7 @@ def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: s
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
-            row = run_variant(variant, tied, seq, rank, sizes)
+            row = run_variant(variant, tied, seq, rank, sizes, lean)
         else:
             row = run_fsdp2(variant, tied, seq, rank, sizes)
         Path(f"{out}/rows{rank}.json").write_text(json.dumps([row]))
@@ -178,33 +192,36 @@ def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: s
 
 
 def key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (FRAMEWORKS.index(row["framework"]), row["seq"], row["tied"], VARIANTS.index(row["variant"]), row["rank"])
+    return (FRAMEWORKS.index(row["framework"]), row.get("hidden", HIDDEN), row["seq"], row["tied"],
+            VARIANTS.index(row["variant"]), row["rank"])
 
 
 def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
     lines = [
         "## ZeRO-3 and FSDP2 steps, 2 gloo ranks on CPU: peak memory per rank, unpatched vs fused head",
         "",
-        (f"Qwen3 hidden {HIDDEN}, 4 layers, vocab {VOCAB:,}, fp32, one sequence per rank; ZeRO-3: built under "
+        (f"Qwen3, 4 layers, vocab {VOCAB:,}, fp32 (hidden {HIDDEN}, 16 heads, intermediate 3072; `--hidden 256`: "
+         "4 heads, intermediate 768), one sequence per rank; ZeRO-3: built under "
          "zero.Init, `stage3_param_persistence_threshold: 0`; FSDP2: `fully_shard` on each layer, on `lm_head` when "
          "untied, and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
          "a warm-up step, from the allocator (torch.profiler); ranks 0 / 1."),
         "",
-        ("| framework | tokens per rank | embeddings | variant | peak rise MiB | vs unpatched "
+        ("| framework | hidden | tokens per rank | embeddings | variant | peak rise MiB | vs unpatched "
          "| MiB held when the backbone starts | head registered on the root | s |"),
-        "|---|---:|---|---|---:|---:|---:|---|---:|",
+        "|---|---:|---:|---|---|---:|---:|---:|---|---:|",
     ]
-    base = {(r["framework"], r["seq"], r["tied"], r["rank"]): r["peak_mib"] for r in rows if r["variant"] == "unpatched"}
+    base = {(r["framework"], r.get("hidden", HIDDEN), r["seq"], r["tied"], r["rank"]): r["peak_mib"]
+            for r in rows if r["variant"] == "unpatched"}
     pairs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in sorted(rows, key=key):
         pairs.setdefault(key(r)[:-1], []).append(r)
     for group in pairs.values():
         r = group[0]
-        ratios = [g["peak_mib"] / base[(g["framework"], g["seq"], g["tied"], g["rank"])]
-                  if (g["framework"], g["seq"], g["tied"], g["rank"]) in base else float("nan") for g in group]
+        ids = [(g["framework"], g.get("hidden", HIDDEN), g["seq"], g["tied"], g["rank"]) for g in group]
+        ratios = [g["peak_mib"] / base[i] if i in base else float("nan") for g, i in zip(group, ids)]
         registered = {None: "-", True: "yes", False: "no"}[r["head_registered_on_root"]]
         lines.append(
-            f"| {r['framework']} | {r['seq']} | {'tied' if r['tied'] else 'untied'} | {r['variant']} | "
+            f"| {r['framework']} | {r.get('hidden', HIDDEN)} | {r['seq']} | {'tied' if r['tied'] else 'untied'} | {r['variant']} | "
             + " / ".join(f"{g['peak_mib']:.0f}" for g in group) + " | "
             + " / ".join(f"{x:.2f}x" for x in ratios) + " | "
             + " / ".join(f"{g['mib_when_backbone_starts']:.0f}" for g in group)
@@ -234,11 +251,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[1024])
     parser.add_argument("--tied", choices=["untied", "tied", "both"], default="both")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--hidden", type=int, choices=[HIDDEN, 256], default=HIDDEN,
+                        help="256: the same vocab with a quarter of the width (a proxy that fits beside other jobs)")
     parser.add_argument("--append", action="store_true", help="keep the file's other rows (replacing the ones rerun)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "vocab_size": 1024, "num_hidden_layers": 2} if args.smoke else {}
+    if args.hidden == 256 and not args.smoke:
+        sizes = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2}
     tieds = {"untied": [False], "tied": [True], "both": [False, True]}[args.tied]
     command = "DS_ACCELERATOR=cpu flock /work/wt/heavy.lock python " + " ".join(sys.argv)
     rows: list[dict[str, Any]] = []
@@ -252,7 +273,8 @@ def main() -> None:
             for tied in tieds:  # one process group per run: freed memory of one does not stay in the next's
                 for variant in args.variants:
                     with tempfile.TemporaryDirectory() as out:
-                        mp.spawn(worker, args=(out, framework, seq, tied, variant, sizes), nprocs=WORLD, join=True)
+                        args_ = (out, framework.removesuffix("-lean"), seq, tied, variant, sizes, framework.endswith("-lean"))
+                        mp.spawn(worker, args=args_, nprocs=WORLD, join=True)
                         new = [row for rank in range(WORLD) for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
                     rows = [r for r in rows if key(r) not in {key(n) for n in new}] + new
                     print(new, flush=True)

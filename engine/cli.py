@@ -9,6 +9,7 @@ device this machine does not have). With
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -101,12 +102,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.api import apply, revert, verify
+    from engine.devices import as_device, require_present
     from engine.loader import load_patchset
     from engine.report import from_files
-
-    from engine.devices import as_device, require_present
+    from engine.schema import Device
 
     if args.model or args.gguf:
+        if args.interpret:
+            raise InvalidArgument("--interpret verifies on a tiny model; a checkpoint runs on its own device")
         return _verify_checkpoint(args)
     given = [flag for flag, value in (("--text", args.text), ("--mode", args.mode), ("--sample", args.sample),
                                       ("--fused-cross-entropy", args.fused_cross_entropy),
@@ -114,14 +117,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if given:
         raise InvalidArgument(f"{', '.join(given)} apply to a checkpoint only: add --model PATH or --gguf FILE")
     ps = load_patchset(args.patchset)
-    device = as_device(args.device or "cpu")
-    require_present(device)  # before building anything: --device cuda on a CPU machine is a usage error
-    model = _tiny_model_for(ps, args.model_type, args.dtype).to(device.value)
-    applied = apply(model, ps, device=device)
-    try:
-        report = verify(model, raise_on_failure=False)
-    finally:
-        revert(model)  # releases function routers (matters when main() runs inside a process)
+    device = as_device(args.device or ("cuda" if args.interpret else "cpu"))
+    if args.interpret:
+        from engine.kernels.triton_interpret import interpreting
+
+        if device is not Device.cuda:
+            raise InvalidArgument(f"--interpret runs the CUDA plan's Triton kernels on this CPU; --device "
+                                  f"{device.value} has none: use --device cuda (the default with --interpret)")
+        scope = interpreting()
+    else:
+        require_present(device)  # before building anything: --device cuda on a CPU machine is a usage error
+        scope = contextlib.nullcontext()
+    model = _tiny_model_for(ps, args.model_type, args.dtype)
+    if not args.interpret:
+        model = model.to(device.value)
+    with scope:  # interpreted: the vendor kernels of the CUDA plan run on CPU tensors (Triton's interpreter)
+        applied = apply(model, ps, device=device)
+        try:
+            report = verify(model, raise_on_failure=False)
+        finally:
+            revert(model)  # releases function routers (matters when main() runs inside a process)
     if args.json:
         data = {"ok": report.passed, "patchset": ps.name, "file": applied.file, "model_type": applied.model_type,
                 "model": type(model).__name__, "device": applied.device, **report.to_dict()}
@@ -245,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the model")
             p.add_argument("--detail", action="store_true", help="also one row per check")
+            p.add_argument("--interpret", action="store_true",
+                           help="plan for CUDA and run its Triton kernels (liger, fla) on this CPU with Triton's "
+                                "interpreter (slow; default device cuda)")
             _checkpoint_arguments(p)
         p.set_defaults(func=func)
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from engine.errors import DeviceUnsupported, DTensorUnsupported, KernelNotFound, MissingDependency
 from engine.kernels import registry
 from engine.kernels.registry import KernelProvider
+from engine.kernels.vendor_dtypes import unverified
 from engine.schema import Device, OnUnsupported
 
 __all__ = ["resolve_kernel"]
@@ -23,17 +24,28 @@ Mode = Literal["training", "inference"]
 
 def resolve_kernel(
     op: str, spec: Any, device: Device, mode: Mode, on_unsupported: OnUnsupported, *, patch: Any = None,
-    dtensor: str | None = None,
+    dtensor: str | None = None, dtype: Any = None,
 ) -> tuple[KernelProvider | None, str]:
     """Pick the provider for ``op`` on ``device``: ``(provider or None if skipped, why)``.
 
     ``patch`` (optional) lets a provider refuse settings whose numerics it does not reproduce;
     ``dtensor`` (optional, from :func:`engine.placements.dtensor_parameter`) names a DTensor
-    parameter of the targets, which only providers declaring ``dtensor=True`` accept.
+    parameter of the targets, which only providers declaring ``dtensor=True`` accept;
+    ``dtype`` (optional) the targets' dtype: ``auto`` passes over a kernel measured to fail the
+    verifier in it (:mod:`engine.kernels.vendor_dtypes`); a declared one is kept, with a warning.
     """
     choice = spec if isinstance(spec, str) else spec.get(device, "auto")
     if choice == "auto":
-        return _resolve_auto(op, device, mode, patch, dtensor)
+        return _resolve_auto(op, device, mode, patch, dtensor, dtype)
+    provider, why = _resolve_declared(op, choice, device, mode, on_unsupported, patch, dtensor)
+    if provider is not None and provider.name == choice and (bad := unverified(choice, op, device.value, dtype)):
+        why += f" (warning: {bad}; verify measures the difference)"
+    return provider, why
+
+
+def _resolve_declared(
+    op: str, choice: str, device: Device, mode: Mode, on_unsupported: OnUnsupported, patch: Any, dtensor: str | None
+) -> tuple[KernelProvider | None, str]:
     provider = registry.get(choice, op)
     problem: Exception | None = None
     if dtensor is not None and not provider.dtensor:
@@ -56,7 +68,7 @@ def resolve_kernel(
         except MissingDependency as exc:
             problem = exc
     if problem is None:
-        return provider, f"{choice} (declared)"
+        return provider, f"{choice} (declared)" + (f" ({provider.rule_note()})" if provider.rule_note else "")
     if on_unsupported is OnUnsupported.error:
         raise problem
     if on_unsupported is OnUnsupported.skip:
@@ -72,7 +84,7 @@ def _unfit(provider: KernelProvider, patch: Any) -> str | None:
 
 
 def _resolve_auto(
-    op: str, device: Device, mode: Mode, patch: Any = None, dtensor: str | None = None
+    op: str, device: Device, mode: Mode, patch: Any = None, dtensor: str | None = None, dtype: Any = None
 ) -> tuple[KernelProvider, str]:
     passed: list[str] = []
     for name in registry.AUTO_ORDER.get(device, ("torch",)):
@@ -91,11 +103,16 @@ def _resolve_auto(
         if (unfit := _unfit(provider, patch)) is not None:
             passed.append(f"{name}: {unfit}")
             continue
+        if (bad := unverified(name, op, device.value, dtype)) is not None:
+            passed.append(f"{name}: {bad}")
+            continue
         try:
             provider.check_dependencies()
         except MissingDependency as exc:
             passed.append(f"{name}: {exc}")
             continue
         why = f"auto: first available for {device.value}"
+        if provider.rule_note is not None:
+            why += f" ({provider.rule_note()})"
         return provider, why + (f" (passed over {'; '.join(passed)})" if passed else "")
     raise KernelNotFound(f"no kernel for op {op!r} runs on {device.value} in {mode}")

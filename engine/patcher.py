@@ -38,6 +38,7 @@ from engine.devices import require_present
 from engine.errors import AlreadyPatched, NotPatched
 from engine.forwards import ForwardInstall, bottom_slot, install
 from engine.fused_head import applied_fused_head, without_fused_head
+from engine.kernels.triton_interpret import is_interpreting
 from engine.ops.base import ModuleOp, get_op
 from engine.planner import Decision, Mode, Plan, plan
 from engine.report import Report
@@ -216,7 +217,8 @@ def apply(
     """
     model = unwrap(model)
     the_plan = plan(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
-    require_present(the_plan.device, model)
+    if not (the_plan.device is Device.cuda and is_interpreting()):  # interpreted: CUDA kernels on CPU tensors
+        require_present(the_plan.device, model)
     key = _patchset_key(without_fused_head(the_plan.patchset))  # the fused head is an option, not the identity
     state: AppliedState | None = model.__dict__.get(STATE_ATTR)
     if state is not None:

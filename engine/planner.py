@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -371,7 +371,7 @@ def _plan_module_patch(
         op.check_target(module, patch)
     provider, reason = resolve_kernel(
         op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=op.kernel_settings(matches[0][1], patch),
-        dtensor=dtensor_parameter(model, matches),
+        dtensor=dtensor_parameter(model, matches), dtype=_float_dtype(module for _, module in matches),
     )
     for path, module in matches:
         chosen = op.users_choice(model, module) if provider else None  # honoured: left as it is
@@ -380,6 +380,15 @@ def _plan_module_patch(
             action="patch" if provider and not chosen else "skip", kernel=None if chosen or not provider else provider.name,
             reason=chosen or reason, patch=patch, provider=None if chosen else provider,
         )
+
+
+def _float_dtype(modules: Iterable[nn.Module]) -> torch.dtype | None:
+    """The dtype of the first floating parameter of ``modules`` (what their kernel computes in), if any."""
+    for module in modules:
+        for param in module.parameters():
+            if param.is_floating_point():
+                return param.dtype
+    return None
 
 
 def _calls_name(cls: type, name: str) -> dict[str, Any] | None:
@@ -414,7 +423,10 @@ def _plan_function_patch(
             f"patches[{index}] ({op.name}) targets function {patch.function!r}, which no module of "
             f"{type(model).__name__} calls in its forward: patching it would change nothing"
         )
-    provider, reason = resolve_kernel(op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch)
+    callers = (model.get_submodule(p) for _, paths in sites.values() for p in paths)
+    provider, reason = resolve_kernel(
+        op.name, patch.kernel, device, mode, patchset.on_unsupported, patch=patch, dtype=_float_dtype(callers)
+    )
     for name, (namespace, callers) in sites.items():
         _check_origin(patchset, index, f"function {patch.function}", name)
         original = _original_function(namespace[patch.function])

@@ -43,31 +43,40 @@ def test_bench_keeps_the_sections_other_benchmarks_wrote(tmp_path: Path) -> None
 
 
 def test_bench_a_checkpoint_folder_side_by_side(tmp_path: Path) -> None:
-    """``--model PATH`` (as ``--checkpoint smollm2`` / ``--gguf FILE``): train step and forward, unpatched vs
-    patched vs patched + fused head, in one run; every patched number is set against the unpatched one."""
+    """``--model PATH`` (as ``--checkpoint smollm2`` / ``--gguf FILE``): train step, forwards and greedy decodes,
+    unpatched vs patched (and patched + fused head for the step), in one run; every patched number is set
+    against the unpatched one of the same work."""
     from engine.tiny import build_tiny_model
 
     folder = tmp_path / "tiny-llama"
     build_tiny_model("llama", {"tie_word_embeddings": True}, seed=0).save_pretrained(folder)
     out = tmp_path / "results"
-    argv = ["bench", "--model", str(folder), "--train-seq", "24", "--forward-seq", "16", "--repeats", "1",
-            "--out", str(out)]
+    argv = ["bench", "--model", str(folder), "--train-seq", "24", "--forward-seq", "8", "16", "--decode-prompts", "1",
+            "--new-tokens", "3", "--repeats", "1", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads((out / "checkpoint_tiny_llama_cpu.json").read_text())
     assert result["patchset"] == "llama" and result["model_type"] == "llama"
-    rows = {(r["work"], r["variant"]): r for r in result["rows"]}
-    assert set(rows) == {(w, v) for w in ("train", "forward") for v in ("unpatched", "patched", "patched + fused head")}
-    for (work, variant), r in rows.items():
-        base = rows[(work, "unpatched")]
-        assert r["seconds"] > 0 and r["peak_rise_MiB"] > 0 and len(r["times"]) == 1
-        assert r["speedup_vs_unpatched"] == base["seconds"] / r["seconds"]
-        assert r["peak_vs_unpatched"] == r["peak_rise_MiB"] / base["peak_rise_MiB"]
+    rows = {(r["work"], r["seq"], r["variant"]): r for r in result["rows"]}
+    patched = ("unpatched", "patched")
+    assert set(rows) == ({("train", 24, v) for v in (*patched, "patched + fused head")}
+                         | {("forward", n, v) for n in (8, 16) for v in patched} | {("decode", 1, v) for v in patched})
+    for (work, seq, variant), r in rows.items():
+        base = rows[(work, seq, "unpatched")]
+        assert r["seconds"] > 0 and len(r["times"]) == 1
+        assert r["time_vs_unpatched"] == r["seconds"] / base["seconds"]
+        if work == "train" or (work, seq) == ("forward", 16):  # memory: the step and the longest forward
+            assert r["peak_rise_MiB"] > 0 and r["peak_vs_unpatched"] == r["peak_rise_MiB"] / base["peak_rise_MiB"]
+        else:
+            assert r["peak_rise_MiB"] is None
         if work == "train":  # the same step: the patched losses are the unpatched one's
             assert r["loss_diff_vs_unpatched"] == abs(r["loss"] - base["loss"]) <= 1e-5
+        if work == "decode":  # the torch reference (compiled kernels are off in the suite): the same tokens
+            assert r["same_tokens"] is True
     # the fused head never forms the [24, vocab] logits: its step's peak is below the unpatched one's
-    assert rows[("train", "patched + fused head")]["peak_rise_MiB"] < rows[("train", "unpatched")]["peak_rise_MiB"]
+    assert rows[("train", 24, "patched + fused head")]["peak_rise_MiB"] < rows[("train", 24, "unpatched")]["peak_rise_MiB"]
     text = (out / "cpu.md").read_text()
     assert "<!-- checkpoint-tiny_llama:begin -->" in text and "patched + fused head" in text
+    assert "greedy decode, 1-token prompt" in text and "load average" in text
     assert "patch-engine bench --model" in text  # the command that reproduces it
 
 

@@ -27,7 +27,68 @@ pytestmark = pytest.mark.skipif(compiled.find_cxx() is None, reason="no C++ comp
 
 @pytest.fixture(autouse=True)
 def _compiled_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled kernels on, and run from 16 rows whatever the measured rule says: these tests are about
+    the compiled code itself (the rule that decides where ``auto`` runs it is tested below, on its own)."""
     monkeypatch.setenv(compiled.ENV_SWITCH, "1")
+    monkeypatch.setattr(compiled, "FORCED_ROWS", 16)
+
+
+def _recording_kernel(op: str, reference, flat: int):
+    """``by_rows`` over a kernel whose "compile" records each call instead of running inductor (no compile)."""
+    calls: list[int] = []
+
+    def fake_compile(fn, name):
+        def run(*args):
+            calls.append(args[0].shape[0])
+            return fn(*args)
+        return run
+
+    kernel = compiled._CompiledKernel(reference, op, compile=fake_compile)
+    return compiled.by_rows(kernel, flat, op), calls
+
+
+_REFERENCES = {"rms_norm": (lambda x, w, eps: rms_norm_reference(x, w, eps), 1),
+               "swiglu": (silu_mul_reference, 2), "geglu": (gelu_mul_reference, 2)}
+
+
+@pytest.mark.parametrize("op", sorted(_REFERENCES))
+def test_auto_applies_the_measured_rule_by_rows_dtype_and_mode(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each op, dtype and mode of engine/_data/compiled_rows.yaml: calls below the measured row count (and
+    everywhere the rule says never) run the torch reference; calls of that many rows and more run compiled."""
+    monkeypatch.setattr(compiled, "FORCED_ROWS", None)
+    reference, flat = _REFERENCES[op]
+    run, calls = _recording_kernel(op, reference, flat)
+    table = compiled.rule()[op]
+    assert {dtype for dtype, _ in table} >= {torch.float32, torch.bfloat16}  # the rule covers both dtypes
+    width = 8
+    for (dtype, training), least in table.items():
+        for rows, compiles in ((least - 1, False), (least, True)) if least is not None else ((4096, False),):
+            x = torch.randn(1, rows, width).to(dtype).requires_grad_(training)
+            second = torch.randn(width).to(dtype) if op == "rms_norm" else torch.randn(1, rows, width).to(dtype)
+            args = (x, second, 1e-6) if op == "rms_norm" else (x, second)
+            del calls[:]
+            with torch.set_grad_enabled(training):
+                out = run(*args)
+            assert out.shape == x.shape and torch.equal(out, reference(*args))
+            assert calls == ([rows] if compiles else []), (op, dtype, training, rows, least)
+    del calls[:]
+    x = torch.randn(64, width, dtype=torch.float16)  # a dtype the rule does not list: the reference
+    run(x, torch.randn(width, dtype=torch.float16), 1e-6) if op == "rms_norm" else run(x, x)
+    assert calls == []
+
+
+def test_the_rule_is_in_the_plan_and_compiled_from_overrides_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "FORCED_ROWS", None)
+    norm = next(d for d in plan(tiny_for("qwen3"), "qwen3", device="cpu").decisions if d.op == "rms_norm")
+    assert norm.kernel == "compiled" and "compiled_rows.yaml" in norm.reason
+    assert compiled.rule_text("rms_norm") in norm.reason
+    run, calls = _recording_kernel("swiglu", silu_mul_reference, 2)
+    x = torch.randn(20, 8)
+    run(x, x)
+    assert calls == []  # fp32 inference at 20 rows: the rule keeps the reference
+    with compiled.compiled_from(16):
+        run(x, x)
+    assert calls == [20] and compiled.FORCED_ROWS is None
 
 
 def _grads(fn, *inputs: torch.Tensor):
@@ -82,6 +143,19 @@ def test_auto_picks_compiled_on_cpu_and_the_model_matches() -> None:
         assert torch.allclose(pat_grads[k], ref_grads[k], atol=1e-5, rtol=0), k
 
 
+def test_verify_checks_the_compiled_code_a_larger_batch_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe is below the rule's bf16 threshold: verify's kernel check still runs (and judges) the compiled code."""
+    monkeypatch.setattr(compiled, "FORCED_ROWS", None)  # the measured rule, as a user has it
+    compiled.clear_cache()
+    model = tiny_for("qwen3")
+    report = engine.verify(model, "qwen3", device="cpu", modules="sample")
+    assert report.passed, report
+    kernel_rows = [c for c in report.checks if c.what == "kernel" and c.op == "rms_norm"]
+    assert len({c.dtype for c in kernel_rows}) == 2, kernel_rows  # fp32 and bf16, both judged
+    built = [key for key, k in compiled.kernels().items() if k.functions]
+    assert any(key[0] == "rms_norm" for key in built), "verify judged the reference, not the compiled code"
+
+
 def test_retain_graph_and_double_backward_as_in_eager() -> None:
     """backward(retain_graph=True) twice, then a gradient penalty (create_graph=True), patched vs unpatched.
 
@@ -95,7 +169,8 @@ def test_retain_graph_and_double_backward_as_in_eager() -> None:
     batch = probe_batch(reference, seq=24)
     results = []
     for m in (reference, patched):
-        with warnings.catch_warnings():
+        # auto's rule never compiles training on CPU: force the compiled kernels for this test
+        with warnings.catch_warnings(), compiled.compiled_from(16):
             warnings.simplefilter("error", RuntimeWarning)  # no fall back to the reference
             out = m(**batch)
             out.loss.backward(retain_graph=True)  # two losses on one graph: the gradient twice

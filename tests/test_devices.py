@@ -219,7 +219,9 @@ def test_explicit_kernel_policies(importable, op: str, kernel: str, device: str)
     if dev in provider.devices:
         for policy in OnUnsupported:
             chosen, reason = resolve_kernel(op, kernel, dev, "training", policy, patch=patch)
-            assert chosen is provider and reason == f"{kernel} (declared)"
+            # a provider with a measured rule (compiled: where it runs compiled) says so after the choice
+            note = f" ({provider.rule_note()})" if provider.rule_note is not None else ""
+            assert chosen is provider and reason == f"{kernel} (declared){note}"
         return
     message = f"{kernel} requires {provider.device_list()}, current accelerator is {device}."
     with pytest.raises(DeviceUnsupported) as info:

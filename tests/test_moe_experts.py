@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import os
 import sys
 
 import pytest
@@ -172,24 +173,32 @@ def test_npu_provider_on_the_documented_contract(monkeypatch) -> None:
             torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)
 
 
-def test_liger_call_boundary(monkeypatch) -> None:
-    """liger: LigerFusedMoEFunction(x, gate_up [E, 2I, H], down [E, H, I], int32 index, weights)."""
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PATCH_ENGINE_SLOW_INTERPRET"),
+                    reason="interpreted, a minute on 2 cores: run by .ci/interpret (PATCH_ENGINE_SLOW_INTERPRET=1)")
+def test_liger_interpreted(monkeypatch) -> None:
+    """liger's fused MoE (Triton, run by Triton's CPU interpreter): output and every gradient vs the eager loop,
+    duplicate routes and an expert nobody chose included."""
     pytest.importorskip("liger_kernel")
-    from liger_kernel.ops import fused_moe
+    import triton
+
+    from engine.kernels.triton_interpret import interpreting
 
     experts = build_experts("qwen3_moe", "Qwen3MoeExperts")
-    calls = []
-
-    def documented(x, gate_up, down, index, weights):
-        calls.append((gate_up is experts.gate_up_proj, down is experts.down_proj, index.dtype))
-        return OP.reference(MoeExpertsPatch(target="X", op="moe_experts"))(x, index.long(), weights, gate_up, down)
-
-    monkeypatch.setattr(fused_moe.LigerFusedMoEFunction, "apply", staticmethod(documented))
     index, weights = routing()
     x = _input()
-    got = patched(experts, {}, "liger")(experts, x, index, weights)
-    assert calls == [(True, True, torch.int32)]
-    assert torch.equal(got, truth(experts)(experts, x, index, weights))
+    want_out, want = run(experts, truth(experts), torch.float32, index, weights, x)
+    with interpreting():
+        tf32_out, _ = run(experts, patched(experts, {}, "liger"), torch.float32, index, weights, x)
+        # fp32 dots in full precision (a GPU does this with TRITON_F32_DEFAULT=ieee): the mapping, exactly
+        monkeypatch.setattr(triton.knobs.language, "fp32_default", "ieee")
+        got_out, got = run(experts, patched(experts, {}, "liger"), torch.float32, index, weights, x)
+    # by default Triton's fp32 tl.dot is TF32 on NVIDIA (10 mantissa bits): off by TF32 rounding, not more
+    tf32_err = float((tf32_out - want_out).abs().max() / want_out.abs().max())
+    assert 1e-6 < tf32_err < 5e-3, tf32_err
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()), msg=name)
     provider = registry.get("liger", "moe_experts")
     assert "concatenated" in provider.supports(MoeExpertsPatch(target="X", op="moe_experts", **GPT_OSS))
 

@@ -117,6 +117,7 @@ def _compiled(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
         if compiled.find_cxx() is None:
             pytest.skip("no C++ compiler for inductor")
         monkeypatch.setenv(compiled.ENV_SWITCH, "1")  # conftest turns compiled kernels off for the core suite
+        monkeypatch.setattr(compiled, "FORCED_ROWS", 16)  # verify the compiled code, not the rule's reference
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,13 +144,17 @@ PAIRWISE = {
 FULL_MATRIX = os.environ.get("PATCH_ENGINE_REAL_MATRIX", "") == "full"
 
 
-#: Measured with the calibrated judge (i17-judge, k=3), 64 tokens: the compiled kernels in bf16
-#: pass every module check, but the whole model does not. SmolLM2: 9 of 272 parameter gradients
-#: (worst model.layers.21.input_layernorm.weight, 6.9x the original's own error vs fp64). Gemma 3:
-#: loss 4.5x and 6 of 236 gradients (worst model.layers.17.input_layernorm.weight, 5.6x).
+#: Measured with the calibrated judge (k=3), 64 tokens: the compiled kernels in bf16 pass every
+#: module check, but the whole model does not. SmolLM2: 9 of 272 parameter gradients (worst
+#: model.layers.21.input_layernorm.weight, 6.9x the original's own error vs fp64). Gemma 3: loss
+#: 4.5x and 6 of 236 gradients (worst model.layers.17.input_layernorm.weight, 5.6x). Not the
+#: kernel: its bf16 norm backward is correctly rounded where eager's is up to 2.3 ulp off, and the
+#: unpatched original with its input nudged by 1 bf16 ulp fails the same judge on 8 of 272
+#: gradients (benchmarks/results/verify_bf16.md): the per-tensor judge cannot judge bf16 gradients.
 COMPILED_BF16_GRADS = pytest.mark.xfail(
-    reason="compiled kernels in bf16: norm weight gradients (and Gemma's loss) 4.5-6.9x the original's own "
-           "error vs fp64 (judge k=3); for i17-judge / i17-compile to settle (the kernel or k)", strict=False)
+    reason="bf16 whole-model gradients: an equally valid run (the original, input nudged by 1 ulp) also "
+           "exceeds k=3 on 8 of 272 (benchmarks/results/verify_bf16.md); the kernel rounds better than eager",
+    strict=False)
 
 
 def _row(kernel: str, dtype: str, mode: str, fused: bool) -> Any:

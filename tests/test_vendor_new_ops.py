@@ -2,7 +2,7 @@
 
 npu: against the emulator of torch_npu's documented contracts (tests/npu_emulator.py),
 whole families included (gemma's GeGLU, GLM's interleaved rope, Qwen2-VL's vision rope).
-liger: the kernels run under Triton's CPU interpreter in a subprocess where they can; the
+liger: the real kernels run under Triton's CPU interpreter (engine.kernels.triton_interpret); the
 layouts liger has no kernel for are passed over by ``auto`` with the reason in the plan.
 """
 
@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 from conftest import tiny_for
-from test_liger_fla import _interpret
+from test_liger_fla import _vendor_vs_torch
 
 import engine
 from engine.kernels import registry
@@ -22,6 +22,15 @@ from engine.schema import GegluPatch, LayerNormPatch, RopePatch
 from engine.verification import probe_batch
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+
+
+@pytest.fixture
+def interpreted():
+    """Triton kernels launched in the test run on the CPU with Triton's interpreter (engine's shims)."""
+    from engine.kernels.triton_interpret import interpreting
+
+    with interpreting():
+        yield
 needs_liger = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (extra: cuda)")
 
 
@@ -93,67 +102,34 @@ def test_liger_refuses_what_it_cannot_compute() -> None:
 
 
 @needs_liger
-def test_liger_kernels_under_triton_interpreter() -> None:
-    """geglu, layer_norm, vision rope and Llama 4's complex rope through liger's Triton kernels."""
-    out = _interpret(
-        """
-        import json, torch
-        from engine.kernels import registry
-        from engine.schema import Device, GegluPatch, LayerNormPatch, RopePatch
-        res = {}
-        def diff(a, b):
-            return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
-        def run(name, op, patch, args):
-            want = registry.get("torch", op).build(patch)(*args)
-            try:  # on clones: liger's rope rotates contiguous inputs in place
-                got = registry.get("liger", op).build(patch)(*[a.clone() if torch.is_tensor(a) else a for a in args])
-            except Exception as exc:  # a kernel Triton's interpreter cannot run
-                res[name] = f"skip: {type(exc).__name__}: {str(exc)[:120]}"
-                return
-            got = got if isinstance(got, tuple) else (got,)
-            want = want if isinstance(want, tuple) else (want,)
-            res[name] = diff(got, want)
-        g = torch.Generator().manual_seed(0)
-        gate, up = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
-        run("geglu", "geglu", GegluPatch(target="X", op="geglu"), (gate, up))
-        x, w, b = torch.randn(4, 32, generator=g), torch.randn(32, generator=g), torch.randn(32, generator=g)
-        run("layer_norm", "layer_norm", LayerNormPatch(target="X", op="layer_norm"), (x, w, b, 1e-6))
-        run("layer_norm_no_bias", "layer_norm", LayerNormPatch(target="X", op="layer_norm"), (x, w, None, 1e-6))
-        q, k = torch.randn(10, 2, 16, generator=g), torch.randn(10, 2, 16, generator=g)
-        ang = torch.rand(10, 8, generator=g) * 6
-        emb = torch.cat((ang, ang), -1)
-        vision = RopePatch(op="rope", function="apply_rotary_pos_emb_vision", upcast=True, unsqueeze_dim=-2)
-        run("vision_rope", "rope", vision, (q, k, emb.cos(), emb.sin()))
-        xq, xk = torch.randn(2, 6, 4, 16, generator=g), torch.randn(2, 6, 2, 16, generator=g)
-        complex_patch = RopePatch(op="rope", function="apply_rotary_emb", layout="complex")
-        for name, rows in (("complex_rope", 1), ("complex_rope_per_row", 2)):  # per-row: liger cannot, reference
-            ang = torch.rand(rows, 6, 8, generator=g) * 6
-            run(name, "rope", complex_patch, (xq, xk, torch.polar(torch.ones_like(ang), ang)))
-        print(json.dumps(res))
-        """
-    )
-    ran = {k: v for k, v in out.items() if not isinstance(v, str)}
-    assert ran, out  # at least one liger kernel ran under the interpreter
-    for name, err in ran.items():
-        assert err < 1e-4, (name, out)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_liger_geglu_and_layer_norm_interpreted(interpreted, dtype) -> None:
+    """liger's GeGLU and LayerNorm kernels (libdevice tanh / rsqrt: the libdevice shim), forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(4, 64, generator=g) * 2).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
+    grad = dtype is torch.float32
+    _vendor_vs_torch("liger", "geglu", GegluPatch(target="X", op="geglu"), (gate, up), grad=grad)
+    x = (torch.randn(2, 3, 32, generator=g) * 2 + 1).to(dtype)
+    w, b = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype), (0.1 * torch.randn(32, generator=g)).to(dtype)
+    plain = LayerNormPatch(target="X", op="layer_norm")
+    _vendor_vs_torch("liger", "layer_norm", plain, (x, w, b, 1e-6), grad=grad)
+    _vendor_vs_torch("liger", "layer_norm", plain, (x, w, None, 1e-6), grad=grad)  # no bias: zeros passed
+    nemotron = LayerNormPatch(target="X", op="layer_norm", scale="one_plus_weight")
+    _vendor_vs_torch("liger", "layer_norm", nemotron, (x, w - 1, b, 1e-5), grad=grad)
 
 
 @needs_liger
-def test_liger_geglu_and_layer_norm_call_boundary(monkeypatch) -> None:
-    """Triton's interpreter cannot run these two kernels; the arguments they get are checked here."""
-    from liger_kernel.ops import geglu as liger_geglu
-    from liger_kernel.ops import layer_norm as liger_layer_norm
-
-    seen: list[tuple] = []
-    monkeypatch.setattr(liger_geglu.LigerGELUMulFunction, "apply",
-                        staticmethod(lambda a, b: seen.append((a, b)) or a * b))
-    monkeypatch.setattr(liger_layer_norm.LigerLayerNormFunction, "apply",
-                        staticmethod(lambda x, w, b, eps: seen.append((x, w, b, eps)) or x))
-    gate, up = torch.randn(2, 8), torch.randn(2, 8)
-    registry.get("liger", "geglu").build(GegluPatch(target="X", op="geglu"))(gate, up)
-    assert seen[-1][0] is gate and seen[-1][1] is up
-    x, w = torch.randn(3, 8), torch.randn(8)
-    nemotron = LayerNormPatch(target="X", op="layer_norm", scale="one_plus_weight")
-    registry.get("liger", "layer_norm").build(nemotron)(x, w, None, 1e-5)
-    _, w_seen, b_seen, eps = seen[-1]
-    assert torch.equal(w_seen, w + 1) and torch.equal(b_seen, torch.zeros(8)) and eps == 1e-5
+def test_liger_rope_layouts_interpreted(interpreted) -> None:
+    """The Qwen-VL vision functions (fp32, (seq, heads, dim)) and Llama 4's complex layout through liger."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(10, 2, 16, generator=g), torch.randn(10, 2, 16, generator=g)
+    ang = torch.rand(10, 8, generator=g) * 6
+    emb = torch.cat((ang, ang), -1)
+    vision = RopePatch(op="rope", function="apply_rotary_pos_emb_vision", upcast=True, unsqueeze_dim=-2)
+    _vendor_vs_torch("liger", "rope", vision, (q, k, emb.cos(), emb.sin()))
+    xq, xk = torch.randn(2, 6, 4, 16, generator=g), torch.randn(2, 6, 2, 16, generator=g)
+    complex_patch = RopePatch(op="rope", function="apply_rotary_emb", layout="complex")
+    for rows in (1, 2):  # frequencies shared by the batch (liger), per row (the reference)
+        ang = torch.rand(rows, 6, 8, generator=g) * 6
+        _vendor_vs_torch("liger", "rope", complex_patch, (xq, xk, torch.polar(torch.ones_like(ang), ang)),
+                         grad=False)

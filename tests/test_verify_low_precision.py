@@ -66,3 +66,47 @@ def test_a_wrong_kernel_still_fails_in_bf16(swiglu_kernels) -> None:
     times = float(loss.note.split(" = ")[1].split("x ")[0])
     assert times > engine.verification.NOISE_FACTOR  # further from the original than its own rounding error
     engine.revert(model)
+
+
+class _BackwardOffByOnePercent(torch.autograd.Function):
+    """The right forward; a backward 1% off (a kernel whose hand-written backward is wrong)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            dg, du = torch.autograd.grad(F.silu(g) * u, (g, u), grad)
+        return dg * 1.01, du * 1.01
+
+
+@pytest.fixture
+def one_percent_kernels():
+    kernels = {"fwd1pct": lambda gate, up: F.silu(gate) * up * 1.01, "bwd1pct": _BackwardOffByOnePercent.apply}
+    for name, fn in kernels.items():
+        registry.register(registry.KernelProvider(name=name, op="swiglu", devices=registry.ALL_DEVICES,
+                                                  build=lambda patch, fn=fn: fn))
+    yield
+    for name in kernels:
+        registry.unregister(name, "swiglu")
+
+
+def test_a_kernel_one_percent_off_fails(one_percent_kernels) -> None:
+    """What a 1% error meets: its forward fails the fp32 module check, run for every model dtype
+    (in bf16 1% is about one rounding step, below what any check in bf16 can tell); a backward
+    1% off, with the forward right so that no module check sees it, fails the whole model's
+    gradients of an fp32 model. In a bf16 model the original's own gradient error is larger than
+    1% (docs/verification.md, "Compiled kernels in bf16"), so there only the fp32 checks can see it.
+    """
+    bf16 = tiny_for("qwen3", dtype=torch.bfloat16)
+    forward = engine.verify(bf16, _with_swiglu_kernel("fwd1pct"), device="cpu", raise_on_failure=False)
+    assert ("model.layers.0.mlp", "kernel", "fp32") in {(c.path, c.what, c.dtype) for c in forward.failures}
+    fp32 = tiny_for("qwen3")
+    backward = engine.verify(fp32, _with_swiglu_kernel("bwd1pct"), device="cpu", raise_on_failure=False)
+    assert {(c.path, c.what) for c in backward.failures} == {("<model>", "grads")}, backward
+    assert not engine.is_patched(bf16) and not engine.is_patched(fp32)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import tiny_for
 
-from engine.verification import probe_batch
+import engine
+from engine.verification import models, probe_batch
 from engine.verification import truth as truth_mod
 from engine.verification.compare import compare
 from engine.verification.truth import GradientSink, fp64_truth
@@ -66,3 +67,54 @@ def test_compare_in_chunks_equals_compare_at_once(monkeypatch) -> None:
     assert compare(c, d) == (0.0, 0.0, True)  # non-finite in the last chunk only: equal where the values are
     d[30, 1] += 1.0
     assert compare(c, d) == (float("inf"), float("inf"), False)
+
+
+# ---- where what waits to be compared is kept ------------------------------------------------
+
+
+def test_auto_keeps_what_waits_on_the_host_when_the_model_is_not_on_the_cpu() -> None:
+    model = tiny_for("qwen3")
+    assert models.holding_device(model) == torch.device("cpu")  # a CPU model: host and device are one memory
+    assert models.holding_device(model, "none") == torch.device("cpu")
+    on_meta = tiny_for("qwen3").to("meta")  # any device that is not the host's memory (an accelerator's)
+    assert models.holding_device(on_meta) == torch.device("cpu")
+    assert models.holding_device(on_meta, "host") == torch.device("cpu")
+    assert models.holding_device(on_meta, "none") == torch.device("meta")
+    assert models.holding_device(on_meta, "meta") == torch.device("meta")
+
+
+def test_each_held_buffer_lives_on_the_holding_device_and_gradients_leave_the_model_as_they_arrive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every tensor the whole-model check keeps between runs goes through ``hold`` to the holding device.
+
+    The original's gradients are taken as autograd forms them: when one is taken, no other
+    parameter holds a gradient (on an accelerator the device never holds the original's set).
+    The numbers are those of keeping everything where it is.
+    """
+    model = tiny_for("qwen3")
+    engine.apply(model, "qwen3", fused_cross_entropy=True)  # not bit-equal (the fused loss): the truth runs
+    batch = probe_batch(model)
+    try:
+        baseline = engine.verify(model, batch=batch, offload="none")
+        kept: list[tuple[torch.device, torch.device, int]] = []  # (where it was, where it is kept, other grads)
+        real_hold = models.hold
+
+        def spy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+            out = real_hold(t, device)
+            kept.append((t.device, out.device, sum(p.grad is not None for p in model.parameters())))
+            return out
+
+        monkeypatch.setattr(models, "hold", spy)
+        report = engine.verify(model, batch=batch, offload="host")
+    finally:
+        engine.revert(model)
+    trainable = sum(p.requires_grad for p in model.parameters())
+    assert len(kept) >= trainable + 6  # every original gradient, three logits and three losses
+    assert all(where == torch.device("cpu") for _, where, _ in kept)
+    grads = [others for _, _, others in kept if others]
+    assert grads and max(grads) == 1  # the one gradient being taken, none left behind
+    assert [(c.path, c.what, c.passed, c.max_abs) for c in report.checks] == [
+        (c.path, c.what, c.passed, c.max_abs) for c in baseline.checks]
+    assert any(c.what == "grads" and c.note and "original's own error" in c.note for c in report.checks)
+    assert all(p.grad is None for p in model.parameters())

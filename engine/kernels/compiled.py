@@ -10,6 +10,9 @@ disabled (``PATCH_ENGINE_COMPILE=0``) and tests/test_compiled.py checks them wit
 Which ops: only those listed in :data:`COMPILED_OPS`, the ones where the benchmark
 (benchmarks/run.py) shows a win. ``auto`` on CPU tries ``compiled`` first (AUTO_ORDER), so
 this table is the data that decides what ``auto`` picks; an op not in it gets ``torch``.
+Where, within an op: :func:`rule` (``engine/_data/compiled_rows.yaml``, measured) says from
+how many rows, per dtype and mode, a call runs compiled; every other call runs the torch
+reference eagerly, so ``auto`` never pays a compiled call's fixed cost where it does not win.
 
 Compilation is lazy (first call) and cached: one kernel per (op, settings that change the
 math), shared by every module and model in the process, and inside it one compiled function
@@ -19,8 +22,7 @@ object at most ``recompile_limit`` (8) times and then runs it eagerly without a 
 function serving every norm shape, prefill and decode, fp32 and bf16, inference and training
 hit that limit in one session on Gemma 3 (issue 17). Norms and gated products act on the last
 dimension, so they are compiled on their input seen as ``[rows, last dim]`` (:func:`by_rows`):
-every hidden and per-head shape, batch and length is one class per dtype and grad mode. A few
-rows (decode's one token) run eagerly: there the compiled call's fixed cost is the whole call.
+every hidden and per-head shape, batch and length is one class per dtype and grad mode.
 Compiles use ``fullgraph=True``, so a limit still hit raises inside dynamo and we warn.
 
 No C++ compiler: detected up front by the provider's requirement check, so ``auto`` passes
@@ -30,12 +32,13 @@ the first call, the kernel warns once and runs the torch reference from then on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +48,8 @@ from engine.errors import MissingDependency
 from engine.kernels.registry import KernelProvider, register
 from engine.schema import Device
 
-__all__ = ["COMPILED_OPS", "ENV_SWITCH", "CompilerRequirement", "clear_cache", "compiled_kernel", "find_cxx"]
+__all__ = ["COMPILED_OPS", "ENV_SWITCH", "CompilerRequirement", "clear_cache", "compiled_from", "compiled_kernel",
+           "find_cxx", "rule", "rule_text"]
 
 #: Set to ``0`` to disable compiled kernels (``auto`` then picks ``torch``, bit-exact with transformers).
 ENV_SWITCH = "PATCH_ENGINE_COMPILE"
@@ -81,13 +85,55 @@ class CompilerRequirement:
             )
 
 
-#: Below this many rows (tokens: the input's elements over its last dimension) a call runs
-#: the torch reference eagerly instead of the compiled function. Why: a compiled call pays a
-#: fixed cost (guards, the AOT wrapper, under autograd its autograd.Function) of tens of
-#: microseconds, and eager on a few rows costs about as much; decode (one token per sequence)
-#: is where that fixed cost is the whole call. Measured by benchmarks/compiled_shapes.py
-#: (results in benchmarks/results/cpu.md, "Compiled kernels by rows").
-EAGER_BELOW_ROWS = 16
+#: Where compiling pays, per op: ``{(dtype, training): the fewest rows compiled, or None: never}``.
+#: Rows are the tokens (times heads for a per-head norm): the input's elements over its last
+#: dimension. Below the count, or where it is ``None``, the call runs the op's torch reference
+#: eagerly, which is what the unpatched model computes. Why: a compiled call pays a fixed cost
+#: (dynamo's guards, the AOT wrapper, under autograd its autograd.Function, inductor's OpenMP
+#: region) that only enough rows hide, and on a CPU shared with other work the OpenMP region
+#: stalls; where the compiled kernel does not win by a margin, ``auto`` must not cost time.
+#: Data: ``engine/_data/compiled_rows.yaml``, measured by benchmarks/compiled_shapes.py and
+#: checked on real checkpoints by ``patch-engine bench --checkpoint`` (docs/performance.md).
+RULE_FILE = "compiled_rows.yaml"
+
+#: When not None, every call of at least this many rows runs compiled, whatever the rule says
+#: (:func:`compiled_from`: tests of the compiled code, and benchmarks that measure it).
+FORCED_ROWS: int | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def rule() -> dict[str, dict[tuple[torch.dtype, bool], int | None]]:
+    """The measured rule (:data:`RULE_FILE`): op -> (dtype, training) -> the fewest rows compiled."""
+    from importlib import resources
+
+    import yaml
+
+    data = yaml.safe_load(resources.files("engine").joinpath("_data", RULE_FILE).read_text(encoding="utf-8"))
+    out: dict[str, dict[tuple[torch.dtype, bool], int | None]] = {}
+    for op, by_dtype in data["ops"].items():
+        out[op] = {(getattr(torch, dtype), mode == "training"): rows
+                   for dtype, by_mode in by_dtype.items() for mode, rows in by_mode.items()}
+    return out
+
+
+def rule_text(op: str) -> str:
+    """The rule for ``op`` in words, for the plan's reason (what ``auto`` picked, and where)."""
+    where = [f"{str(dtype).removeprefix('torch.')} {'training' if training else 'inference'} from {rows} rows"
+             for (dtype, training), rows in rule().get(op, {}).items() if rows is not None]
+    return ("compiled (inductor) where measured faster: " + ", ".join(where) if where
+            else "compiled nowhere (not measured faster at any size)") + \
+        "; the torch reference eagerly elsewhere (engine/_data/compiled_rows.yaml)"
+
+
+@contextlib.contextmanager
+def compiled_from(rows: int) -> Iterator[None]:
+    """Run every call of at least ``rows`` rows compiled while the block runs (tests, benchmarks)."""
+    global FORCED_ROWS
+    before, FORCED_ROWS = FORCED_ROWS, rows
+    try:
+        yield
+    finally:
+        FORCED_ROWS = before
 
 
 def _sizes(shape: torch.Size) -> tuple[int, ...]:
@@ -268,22 +314,32 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def by_rows(kernel: _CompiledKernel, flat: int) -> Callable[..., Any]:
-    """``kernel`` on the first ``flat`` arguments seen as 2-D ``[rows, last dim]``; few rows run eagerly.
+def by_rows(kernel: _CompiledKernel, flat: int, op: str) -> Callable[..., Any]:
+    """``kernel`` on the first ``flat`` arguments seen as 2-D ``[rows, last dim]``, where :func:`rule` says so.
 
     For ops that act on the last dimension alone (a norm, an elementwise product): flattening
     makes every shape (hidden and per-head norms, batch and sequence of any length) one rank-2
-    class for the compiler, so one compile serves them all; inputs of different shapes (a
-    broadcast) and fewer than :data:`EAGER_BELOW_ROWS` rows run the reference as it is.
+    class for the compiler, so one compile serves them all. A call runs the reference as it
+    is where the rule for its dtype and mode does not reach its row count, and for inputs of
+    different shapes (a broadcast). Training: gradients on and an argument that requires them.
     """
     reference = kernel.reference
+    thresholds = rule().get(op, {})
 
     def run(*args: Any) -> Any:
         x = args[0]
+        if torch.compiler.is_compiling():  # inside a user's torch.compile: it fuses the reference itself
+            return reference(*args)
+        if FORCED_ROWS is None:  # the rule; its common answer (the reference) first, at a dict lookup's cost
+            least = thresholds.get((x.dtype, torch.is_grad_enabled() and (x.requires_grad or args[1].requires_grad)))
+            if least is None:
+                return reference(*args)
+        else:
+            least = FORCED_ROWS
         shape = x.shape
         last = shape[-1] if shape else 0
         rows = x.numel() // last if last else 0
-        if rows < EAGER_BELOW_ROWS or torch.compiler.is_compiling() or any(a.shape != shape for a in args[1:flat]):
+        if rows < least or any(a.shape != shape for a in args[1:flat]):
             return reference(*args)
         out = kernel(*(a.reshape(rows, last) for a in args[:flat]), *args[flat:])
         return out.view(shape)
@@ -300,7 +356,7 @@ def _build_rms_norm(patch: Any) -> Callable[..., Any]:
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_reference(x, weight, eps, scale=scale, cast=cast, precision=precision)
 
-    return by_rows(compiled_kernel(("rms_norm", scale, cast, precision), rms_norm), flat=1)
+    return by_rows(compiled_kernel(("rms_norm", scale, cast, precision), rms_norm), flat=1, op="rms_norm")
 
 
 def _build_swiglu(patch: Any) -> Callable[..., Any]:
@@ -309,7 +365,7 @@ def _build_swiglu(patch: Any) -> Callable[..., Any]:
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul_reference(gate, up)
 
-    return by_rows(compiled_kernel(("swiglu",), silu_mul), flat=2)
+    return by_rows(compiled_kernel(("swiglu",), silu_mul), flat=2, op="swiglu")
 
 
 def _build_geglu(patch: Any) -> Callable[..., Any]:
@@ -320,7 +376,7 @@ def _build_geglu(patch: Any) -> Callable[..., Any]:
     def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return gelu_mul_reference(gate, up, approximate)
 
-    return by_rows(compiled_kernel(("geglu", approximate), gelu_mul), flat=2)
+    return by_rows(compiled_kernel(("geglu", approximate), gelu_mul), flat=2, op="geglu")
 
 
 def _build_moe_experts(patch: Any) -> Callable[..., Any]:
@@ -359,6 +415,10 @@ COMPILED_OPS: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "moe_experts": _build_moe_experts,
 }
 
+def _MOE_NOTE() -> str:
+    return "compiled in bfloat16 (benchmarks/moe.py), the grouped path uncompiled in other dtypes"
+
+
 for _op, _build in COMPILED_OPS.items():
     register(
         KernelProvider(
@@ -371,5 +431,6 @@ for _op, _build in COMPILED_OPS.items():
             has_backward=True,
             compile_safe=True,
             description="torch reference through torch.compile (inductor); needs a C++ compiler on CPU",
+            rule_note=_MOE_NOTE if _op == "moe_experts" else functools.partial(rule_text, _op),
         )
     )

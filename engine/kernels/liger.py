@@ -13,7 +13,10 @@
 * ``rope``: ``LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)`` (partial rotary:
   liger rotates the first ``cos.shape[-1]`` features, like the reference). Liger reads only the
   first half of ``cos``/``sin``: it relies on transformers' ``cat(freqs, freqs)`` layout, which
-  every half-split rotary embedding in transformers produces. Called directly,
+  every half-split rotary embedding in transformers produces. Liger reads q and k as
+  ``(batch, heads, seq, dim)`` whatever ``unsqueeze_dim`` says, so a call with ``unsqueeze_dim=2``
+  (``(batch, seq, heads, dim)``: DeepSeek-V3.2's indexer) is transposed to that layout and back;
+  another layout runs the reference. Called directly,
   not through liger's backend dispatcher, so that the kernel is the one this file names.
   ``upcast`` (the Qwen-VL vision functions): in fp32 and cast back, with ``(seq, heads, dim)``
   transposed to liger's ``(1, heads, seq, dim)`` as liger's ``liger_rotary_pos_emb_vision`` does.
@@ -144,11 +147,20 @@ def _build_rope(patch: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         return complex_rope
     from liger_kernel.ops.rope import LigerRopeFunction
 
+    from engine.ops.rope import rope_reference
+
     default, upcast = patch.unsqueeze_dim, patch.upcast
 
     def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              unsqueeze_dim: int = default) -> tuple[torch.Tensor, torch.Tensor]:
         if not upcast:
+            if q.dim() == 4 and unsqueeze_dim in (2, -2):
+                # (batch, seq, heads, dim), as DeepSeek-V3.2's indexer calls it: liger reads (batch, heads, seq,
+                # dim) whatever unsqueeze_dim says (interpreted, the unswapped call wrote outside q)
+                qo, ko = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 1)
+                return qo.transpose(1, 2), ko.transpose(1, 2)
+            if q.dim() != 4 or unsqueeze_dim not in (1, -3):
+                return rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
             return LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
         # (seq, heads, dim) with cos (seq, dim) unsqueezed at -2: liger wants (1, heads, seq, dim).
         q32 = q.float().unsqueeze(0).transpose(1, 2)

@@ -86,6 +86,9 @@ class KernelProvider:
             kernels are raw pointers into local memory and do not (Liger's failed on DTensor
             under TP); ``auto`` passes such a provider over for a target with DTensor
             parameters, and naming it explicitly is a plan-time error.
+        rule_note: ``rule_note() -> str``: where the provider computes the op itself and where it
+            hands a call to the op's reference at run time (a measured rule, e.g. ``compiled``'s
+            rows per dtype), appended to the plan's reason so that the plan says what will run.
     """
 
     name: str
@@ -98,6 +101,7 @@ class KernelProvider:
     description: str = ""
     supports: Callable[[Any], str | None] | None = None
     dtensor: bool = False
+    rule_note: Callable[[], str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Providers are registry singletons whose `build` may be a lambda: pickle the name.

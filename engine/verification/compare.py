@@ -55,7 +55,7 @@ def compare(actual: Any, expected: Any) -> tuple[float, float, bool]:
     max_abs = max_rel = scale = 0.0
     finite = True
     for start in range(0, e.numel(), _CHUNK):  # fp64 a chunk at a time: no full-size fp64 copies
-        x, y = a[start:start + _CHUNK].double(), e[start:start + _CHUNK].double()
+        x, y = _chunk(a, start, a.device), _chunk(e, start, a.device)
         if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
             finite = False
             break
@@ -65,7 +65,7 @@ def compare(actual: Any, expected: Any) -> tuple[float, float, bool]:
         max_rel = max(max_rel, float((diff / y.clamp_min(1e-12)).max()))
         scale = max(scale, float(y.max()))
     if not finite:
-        same = all(torch.equal(a[s:s + _CHUNK].double().nan_to_num(), e[s:s + _CHUNK].double().nan_to_num())
+        same = all(torch.equal(_chunk(a, s, a.device).nan_to_num(), _chunk(e, s, a.device).nan_to_num())
                    for s in range(0, e.numel(), _CHUNK))
         return (0.0, 0.0, same and same_dtype) if same else (float("inf"), float("inf"), False)
     ok = same_dtype and max_abs <= atol + rtol * scale  # every |a - e| within it iff the largest is
@@ -85,6 +85,19 @@ def clone_tensors(value: Any) -> Any:
         return type(value)(clone_tensors(v) for v in value)
     if isinstance(value, dict):
         return {k: clone_tensors(v) for k, v in value.items()}
+    return value
+
+
+def move_tensors(value: Any, device: torch.device | None) -> Any:
+    """Tensors (nested in tuples, lists and dicts) on ``device`` (``None``: where they are)."""
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(move_tensors(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: move_tensors(v, device) for k, v in value.items()}
     return value
 
 
@@ -116,13 +129,24 @@ FLOOR_ULPS = 1.0
 _CHUNK = 1 << 22  # elements per step: differences are taken in fp64 without a full-size fp64 copy
 
 
+def _chunk(t: torch.Tensor, start: int, device: torch.device) -> torch.Tensor:
+    """Elements ``start:start + _CHUNK`` of flat ``t`` in fp64 on ``device`` (a tensor held on the host meets one on
+    the accelerator a chunk at a time, never whole)."""
+    return t[start:start + _CHUNK].to(device=device, dtype=torch.float64)
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` computed in fp64, chunk by chunk (a gradient of a large embedding is 100M+ elements)."""
+    """``max |a - b|`` computed in fp64, chunk by chunk (a gradient of a large embedding is 100M+ elements).
+
+    ``a`` and ``b`` may live on different devices (one held on the host): each chunk of ``b``
+    is brought to ``a``'s device.
+    """
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
     worst = 0.0
     for start in range(0, a.numel(), _CHUNK):
-        x, y = a[start:start + _CHUNK].double(), b[start:start + _CHUNK].double()
-        worst = max(worst, float((x - y).abs().max()))
+        x, y = _chunk(a, start, a.device), _chunk(b, start, a.device)
+        d = (x - y).abs().masked_fill(x.isnan() & y.isnan(), 0.0)  # NaN where the other is a number: infinitely off
+        worst = max(worst, float(d.nan_to_num(nan=math.inf).max()))  # (max(0.0, nan) would be 0.0)
     return worst
 
 

@@ -23,7 +23,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -34,18 +34,45 @@ from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, ma
 from engine.verification.results import MODEL, Check
 from engine.verification.truth import GradientSink, fp64_truth
 
-__all__ = ["compare_models", "seeded", "surrogate_loss"]
+__all__ = ["Offload", "compare_models", "hold", "holding_device", "seeded", "surrogate_loss"]
 
 _SEED = 0x5EED
 
 
+Offload = Literal["auto", "host", "none"] | str | torch.device | None
+
+
+def holding_device(model: nn.Module, offload: Offload = "auto") -> torch.device:
+    """Where verification keeps what only waits to be compared: the original's gradients, logits and losses.
+
+    ``"auto"`` (the default): the host when the model is on an accelerator, so that the
+    device's extra over a training step stays near what one step needs (the original's
+    gradients are one more copy of the model's size, which on a GPU the model already
+    fills); on a CPU they stay where they are (host and device are one memory).
+    ``"host"``: the CPU; ``"none"`` or ``None``: the model's device; a device (``"cuda:1"``): there.
+    """
+    device = next(model.parameters()).device
+    if offload == "auto":
+        return torch.device("cpu") if device.type != "cpu" else device
+    if offload in ("none", None):
+        return device
+    return torch.device("cpu" if offload == "host" else offload)
+
+
+def hold(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` detached, on ``device`` (no copy where it already is)."""
+    return t.detach().to(device)
+
+
 def compare_models(
-    patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None = None
+    patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None = None,
+    *, offload: Offload = "auto",
 ) -> list[Check]:
     """Logits, loss and parameter gradients of ``patched`` vs its original (``reference``, default: itself unpatched).
 
     ``reference`` is another instance with the same parameters (names and values), for a
     caller that has one; by default the original runs on ``patched``'s own parameters.
+    ``offload``: where what waits to be compared is kept (:func:`holding_device`).
     """
     params = dict(patched.named_parameters())
     every = {id(p): p for m in (patched, reference) if m is not None for p in m.parameters()}
@@ -53,7 +80,7 @@ def compare_models(
     for p in every.values():
         p.grad = None
     try:
-        return _compare(patched, batch, reference, params)
+        return _compare(patched, batch, reference, params, holding_device(patched, offload))
     finally:
         for key, p in every.items():
             p.grad = user_grads[key]
@@ -70,15 +97,15 @@ class _Grads:
 
 
 def _compare(
-    patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None, params: dict[str, nn.Parameter]
+    patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None, params: dict[str, nn.Parameter],
+    held: torch.device,
 ) -> list[Check]:
     cls = type(patched).__name__
     grads = _Grads()
-    with _original(patched, reference) as original:
+    with _original(patched, reference) as original, _taking_gradients(original, grads.original, held):
         ref_out = _run(original, batch)
-        grads.original = _take_grads(original)
     head = "logits" if "logits" in ref_out else "last_hidden_state"  # a base model has no LM head
-    ref_logits, ref_loss = ref_out[head].detach(), ref_out["loss"].detach()
+    ref_logits, ref_loss = hold(ref_out[head], held), hold(ref_out["loss"], held)
     del ref_out
     with _judge_gradients(params, grads):
         pat_out = _run(patched, batch)
@@ -87,7 +114,7 @@ def _compare(
         with torch.no_grad(), seeded(patched):
             pat_logits = patched(**{k: v for k, v in batch.items() if k != "labels"}).logits
         logits_what = "logits (no labels)"
-    pat_logits, pat_loss = pat_logits.detach(), pat_out["loss"].detach()
+    pat_logits, pat_loss = hold(pat_logits, held), hold(pat_out["loss"], held)
     del pat_out
     for name in grads.original.keys() - grads.diff.keys():  # the original had one, the patched model not
         grads.missing[name] = "no gradient in the patched model"
@@ -96,7 +123,7 @@ def _compare(
     truth: dict[str, Any] = {}
     if not exact and not grads.missing:
         with _original(patched, reference) as original:
-            truth = _truth_run(original, batch, head, grads)
+            truth = _truth_run(original, batch, head, grads, held)
     grads.original.clear()
     dtype = DTYPE_NAMES.get(ref_logits.dtype, str(ref_logits.dtype))
     checks = [
@@ -155,14 +182,26 @@ def surrogate_loss(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.float().square().mean()
 
 
-def _take_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The gradients of the run just made, moved out of ``.grad`` (no copy)."""
-    taken = {}
-    for name, p in model.named_parameters():
+@contextlib.contextmanager
+def _taking_gradients(model: nn.Module, into: dict[str, torch.Tensor], held: torch.device) -> Iterator[None]:
+    """Each gradient of the run, moved out of ``.grad`` into ``into`` (on ``held``) as soon as autograd has accumulated it.
+
+    Why as it arrives, not after the backward: on an accelerator with the gradients held on the
+    host, the device then never holds more than the gradients autograd is still forming.
+    """
+
+    def take(p: torch.Tensor, name: str) -> None:
         if p.grad is not None:
-            taken[name] = p.grad
+            into[name] = hold(p.grad, held)
             p.grad = None
-    return taken
+
+    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: take(p, name))
+               for name, p in model.named_parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
@@ -206,15 +245,17 @@ def _no_checkpointing(model: nn.Module) -> Iterator[None]:
             m.gradient_checkpointing = True
 
 
-def _truth_run(original: nn.Module, batch: dict[str, torch.Tensor], head: str, grads: _Grads) -> dict[str, Any]:
+def _truth_run(
+    original: nn.Module, batch: dict[str, torch.Tensor], head: str, grads: _Grads, held: torch.device
+) -> dict[str, Any]:
     """The original in fp64; each parameter's fp64 gradient is measured against the original's as it arrives."""
 
     def arrived(name: str, exact: torch.Tensor) -> None:
         mine = grads.original.pop(name, None)
-        if mine is not None:
-            grads.noise[name] = (max_abs_diff(mine, exact), max_abs(exact))
+        if mine is not None:  # on the truth's device: the held gradient comes to it a chunk at a time
+            grads.noise[name] = (max_abs_diff(exact, mine), max_abs(exact))
 
-    sink = GradientSink(arrived)
+    sink = GradientSink(arrived, held)
     truth = fp64_truth(original, sink)
     with _no_checkpointing(original):
         out = _run(original, batch, forward_in=truth)
@@ -222,7 +263,7 @@ def _truth_run(original: nn.Module, batch: dict[str, torch.Tensor], head: str, g
     mode = truth.mode
     # A call the mode could not widen leaves the truth rounded there, like the original: the
     # original's error looks smaller, so the judge is stricter, never laxer. Named, not hidden.
-    return {head: out[head].detach(), "loss": out["loss"].detach(), "rounded": sorted(mode.rounded)}
+    return {head: hold(out[head], held), "loss": hold(out["loss"], held), "rounded": sorted(mode.rounded)}
 
 
 def _value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.Tensor, truth: Any) -> Check:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine import routing
-from engine.verification.compare import cast_floats
+from engine.verification.compare import cast_floats, move_tensors
 
 
 def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -51,8 +51,14 @@ def takes_labels(model: nn.Module) -> bool:
     return "labels" in inspect.signature(model.forward).parameters
 
 
-def capture_inputs(model: nn.Module, decisions: Sequence[Any], batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Run one forward and record the first inputs of every patched module and function."""
+def capture_inputs(
+    model: nn.Module, decisions: Sequence[Any], batch: dict[str, torch.Tensor], held: torch.device | None = None
+) -> dict[str, Any]:
+    """Run one forward and record the first inputs of every patched module and function (in fp32, on ``held``).
+
+    ``held``: where the recorded inputs wait for their check (the host, for a model on an
+    accelerator: with ``modules="all"`` they are one activation per patched module).
+    """
     captured: dict[str, Any] = {}
     modules = dict(model.named_modules())
     handles = []
@@ -61,7 +67,7 @@ def capture_inputs(model: nn.Module, decisions: Sequence[Any], batch: dict[str, 
         if d.site is None:
 
             def hook(module: nn.Module, args: Any, kwargs: Any, _path: str = d.path) -> None:
-                captured.setdefault(_path, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
+                captured.setdefault(_path, _record(args, kwargs, held))
 
             handles.append(modules[d.path].register_forward_pre_hook(hook, with_kwargs=True))
         else:
@@ -70,7 +76,7 @@ def capture_inputs(model: nn.Module, decisions: Sequence[Any], batch: dict[str, 
                 continue
 
             def observe(args: Any, kwargs: Any, _path: str = d.path) -> None:
-                captured.setdefault(_path, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
+                captured.setdefault(_path, _record(args, kwargs, held))
 
             router.observers.append(observe)
             observers.append((router, observe))
@@ -87,6 +93,10 @@ def capture_inputs(model: nn.Module, decisions: Sequence[Any], batch: dict[str, 
         for router, observe in observers:
             router.observers.remove(observe)
     return captured
+
+
+def _record(args: Any, kwargs: Any, held: torch.device | None) -> tuple[Any, Any]:
+    return move_tensors(cast_floats(args, torch.float32), held), move_tensors(cast_floats(kwargs, torch.float32), held)
 
 
 def _vision_step(model: nn.Module) -> None:

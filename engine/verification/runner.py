@@ -10,8 +10,8 @@ from torch import nn
 
 from engine.errors import NotPatched, VerificationFailed
 from engine.patcher import STATE_ATTR, apply, revert
-from engine.verification.compare import DTYPE_NAMES
-from engine.verification.models import compare_models, seeded
+from engine.verification.compare import DTYPE_NAMES, move_tensors
+from engine.verification.models import Offload, compare_models, holding_device, seeded
 from engine.verification.modules import verify_function, verify_module
 from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, takes_labels
 from engine.verification.random_state import keeps_random_state
@@ -32,6 +32,7 @@ def verify(
     modules: Modules = "all",
     check_model: bool = True,
     raise_on_failure: bool = True,
+    offload: Offload = "auto",
     **apply_kwargs: Any,
 ) -> VerifyReport:
     """Verify a patched model (or, given ``patchset``, patch an unpatched one, verify it, and revert it).
@@ -57,6 +58,11 @@ def verify(
             middle and last module of each patched class (for large models: the modules of a
             class run the same code on their own weights). Functions and the whole model are
             always checked.
+        offload: where what only waits to be compared is kept (the original's gradients,
+            logits and loss, the modules' recorded inputs): ``"auto"`` keeps it on the host
+            when the model is on an accelerator (the device then needs little more than a
+            training step), where it is on a CPU; ``"host"``, ``"none"`` (the model's device)
+            or a device (:func:`engine.verification.models.holding_device`).
 
     Raises:
         VerificationFailed: on any failed check (unless ``raise_on_failure=False``); the
@@ -77,7 +83,7 @@ def verify(
         apply(model, patchset, **apply_kwargs)
         try:
             return verify(model, batch=batch, modules=modules, check_model=check_model,
-                          raise_on_failure=raise_on_failure)
+                          raise_on_failure=raise_on_failure, offload=offload)
         finally:
             revert(model)  # also on failure: the model is exactly as it was
     state = model.__dict__.get(STATE_ATTR)
@@ -96,8 +102,10 @@ def verify(
         model_dtype=DTYPE_NAMES.get(model_dtype, str(model_dtype)), dtypes=("fp32", DTYPE_NAMES[low]),
         sampled=len(decisions) - len(checked),
     )
+    held = holding_device(model, offload)
+    device = next(model.parameters()).device
     with seeded(model):
-        captured = capture_inputs(model, checked, batch)
+        captured = capture_inputs(model, checked, batch, held)
     named = dict(model.named_modules())
     containers = _containers(checked)
     for d in checked:
@@ -105,14 +113,14 @@ def verify(
             cls = d.cls if d.site is None else "function"
             report.checks.append(Check(d.path, cls, d.op, "called", "-", 0.0, 0.0, False, _NOT_CALLED, d.kernel or "-"))
             continue
-        args, kwargs = captured.pop(d.path)  # released as it is used
+        args, kwargs = move_tensors(captured.pop(d.path), device)  # released as it is used
         if d.site is None:
             within = model if d.path in containers else None
             report.checks.extend(verify_module(d, named[d.path], args, kwargs, low, within=within))
         else:
             report.checks.extend(verify_function(d, args, kwargs, low))
     if check_model:
-        report.checks.extend(compare_models(model, batch))
+        report.checks.extend(compare_models(model, batch, offload=held))
     if raise_on_failure and not report.passed:
         error = VerificationFailed(failure_message(report))
         error.report = report  # type: ignore[attr-defined]

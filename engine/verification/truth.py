@@ -63,8 +63,11 @@ _IN_PLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrued
 class GradientSink:
     """Sums the fp64 gradient of each use of a parameter; calls ``on_complete(name, grad)`` after its last use."""
 
-    def __init__(self, on_complete: Callable[[str, torch.Tensor], None]):
+    def __init__(self, on_complete: Callable[[str, torch.Tensor], None], held: torch.device | None = None):
         self.on_complete = on_complete
+        #: where partial sums wait for a parameter's other uses (the host, for a model on an accelerator: a tied
+        #: embedding's fp64 gradient waits there from the head's backward to the lookup's)
+        self.held = held
         self.uses: dict[str, int] = {}
         self.arrived: dict[str, int] = {}
         self.partial: dict[str, torch.Tensor] = {}
@@ -79,17 +82,18 @@ class GradientSink:
         if held is None:
             total = grad
         elif name in self._owned:
-            total = held.add_(grad)
+            total = held.add_(grad.to(held.device))
         else:
-            total, owned = held + grad, True
+            total, owned = held + grad.to(held.device), True
         self._settle(name, total, owned)
 
     def receive_rows(self, name: str, index: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> None:
         """One lookup's gradient as the rows it touched (``grad[index[i]] += rows[i]``): no dense copy per use."""
         held = self.partial.pop(name, None)
         if held is None or name not in self._owned:
-            held = torch.zeros(shape, dtype=rows.dtype, device=rows.device) if held is None else held.clone()
-        self._settle(name, held.index_add_(0, index, rows), True)
+            device = self.held if self.held is not None else rows.device
+            held = torch.zeros(shape, dtype=rows.dtype, device=device) if held is None else held.clone()
+        self._settle(name, held.index_add_(0, index.to(held.device), rows.to(held.device)), True)
 
     def _settle(self, name: str, total: torch.Tensor, owned: bool) -> None:
         self._owned.discard(name)
@@ -97,6 +101,8 @@ class GradientSink:
         if self.arrived[name] >= self.uses.get(name, 0):
             self.on_complete(name, total)
         else:
+            if self.held is not None and total.device != self.held:
+                total, owned = total.to(self.held), True
             self.partial[name] = total
             if owned:
                 self._owned.add(name)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One call on the offline GPU machine: install the prepared wheels, run the CUDA tests and the
-# CUDA benchmark, and write everything to $OUT (default benchmarks/results). Under 8 minutes:
+# CUDA benchmark, and write everything to $OUT (default benchmarks/results). Under 12 minutes:
 # each stage has its own time limit, and a stage that fails or times out does not stop the next.
 #
 #   bash tests/gpu/fetch_wheels.sh     # before, on a machine with internet: fills .whl/
 #   bash tests/gpu/device_check.sh     # on the GPU machine, from the repository root
 #
 # Writes: $OUT/cuda.json, $OUT/cuda.md (benchmarks/device_suite.py), $OUT/gpu_tests.log,
+# $OUT/interpret_vs_gpu.{json,md} (the same verify interpreted on the CPU and run on the GPU, check by
+# check: confirms the verdicts of `verify --interpret`, docs/devices.md "Interpreted on CPU"),
 # $OUT/device_check.log (versions, stage times and exit codes).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,5 +53,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's engine, n
 export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
 stage gpu-tests 180 bash -c "bash tests/gpu/run_all.sh > '$OUT/gpu_tests.log' 2>&1"
 tail -5 "$OUT/gpu_tests.log"
+stage interpret-vs-gpu 240 "$PYTHON" tests/gpu/interpret_vs_gpu.py --out "$OUT"
 stage cuda-bench 200 "$PYTHON" benchmarks/run.py --device cuda --out "$OUT"
 cat "$LOG"
