@@ -23,21 +23,15 @@ import pytest
 import yaml
 
 from engine.errors import InvalidArgument, PatchsetError, TrainerConflict, VerificationFailed
-from engine.loader import load_patchset
 
 pytest.importorskip(
     "llamafactory.v1",
     reason="LlamaFactory is not installed here; .ci/llamafactory runs this file in its own venv "
     "(llamafactory==0.9.5 pins transformers<=5.6.0, trl<=0.24, peft<=0.18.1)",
 )
-from tiny_sft_folder import write_tiny  # the tiny Qwen3, tokenizer and alpaca rows of the v0 test
+from stack_helpers import LORA_DROPOUT, PATCHED_MODULES, STEPS, assert_same_losses, write_tiny, wrong_norms
 
 from engine.integrations import llamafactory as lf
-
-STEPS = 4
-#: 9 RMSNorms (2 layers x 4, plus the final one), 2 MLPs, rope: what the qwen3 patchset patches.
-PATCHED_MODULES = 12
-TOLERANCE = 1e-6  # the torch kernels (conftest sets PATCH_ENGINE_COMPILE=0): bit-equal in practice
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +51,7 @@ def write_config(tiny: Path, folder: Path, kernel_config: dict[str, Any] | None,
         "seed": 0,
     }
     if lora:
-        config["peft_config"] = {"name": "lora", "r": 8, "target_modules": "all"}
+        config["peft_config"] = {"name": "lora", "r": 8, "target_modules": "all", "lora_dropout": LORA_DROPOUT}
     if kernel_config is not None:
         config["kernel_config"] = kernel_config
     path = folder / "cfg.yaml"
@@ -90,36 +84,20 @@ def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, kind) -> None:
     """Full: ``kernel_config: {name: patch_engine, verify: true}``, the patchset named after the model type.
 
-    LoRA: ``patchset: qwen3`` named, v1's default ``lora_dropout: 0.05`` kept: the patched run must
-    draw the same dropout masks.
+    LoRA: ``patchset: qwen3`` named, verified, with dropout 0.05 (v1's default): the patched run
+    must draw the same dropout masks, so its losses equal the unpatched ones bit for bit.
     """
     kernel_config = {"name": "patch_engine", "verify": True} if kind == "full" else {
-        "name": "patch_engine", "patchset": "qwen3"}
+        "name": "patch_engine", "patchset": "qwen3", "verify": True}
     losses = train(write_config(tiny, tmp_path, kernel_config, lora=kind == "lora"))
     report = lf.last_report
     assert report is not None and report.patchset == "qwen3" and len(report.patched) == PATCHED_MODULES, str(report)
-    assert report.mode == "training"
-    if kind == "full":
-        assert report.verification.passed
-    expected = baseline[kind]
-    assert expected[-1] < expected[0], f"the baseline did not train: {expected}"
-    diffs = [abs(a - b) for a, b in zip(losses, expected, strict=True)]
-    assert max(diffs) <= TOLERANCE, f"patched {losses} vs unpatched {expected}"
-
-
-def _wrong_scale(folder: Path) -> str:
-    """The bundled qwen3 patchset copied to a file with its norms' ``scale`` flipped to ``one_plus_weight``."""
-    wrong = load_patchset("qwen3").model_dump(mode="json", exclude_none=True)
-    for patch in wrong["patches"]:
-        if patch["op"] == "rms_norm":
-            patch["scale"] = "one_plus_weight"
-    path = folder / "qwen3_wrong_scale.yaml"
-    path.write_text(yaml.safe_dump(wrong))
-    return str(path)
+    assert report.mode == "training" and report.verification.passed
+    assert_same_losses(losses, baseline[kind])
 
 
 def test_a_wrong_declaration_is_refused_before_step_one(tiny, tmp_path) -> None:
-    config = write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": _wrong_scale(tmp_path), "verify": True},
+    config = write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": wrong_norms(tmp_path), "verify": True},
                           lora=False)
     with pytest.raises(VerificationFailed, match="Qwen3RMSNorm"):
         train(config)
@@ -173,8 +151,8 @@ def test_llamafactory_alone_does_not_know_the_plugin(tiny, tmp_path, monkeypatch
 @pytest.mark.slow
 def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> None:
     """The equality above can fail: unverified, the flipped ``scale`` trains with other losses from step 1."""
-    config = write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": _wrong_scale(tmp_path)}, lora=False)
-    losses = train(config)
+    config = write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": wrong_norms(tmp_path)}, lora=False)
+    losses = train(config, "max_steps=1")  # the first step's loss already differs
     assert len(lf.last_report.patched) == PATCHED_MODULES
     assert abs(losses[0] - baseline["full"][0]) > 1e-2, f"wrong scale {losses} vs unpatched {baseline['full']}"
 
