@@ -63,7 +63,8 @@ def check_release(patchset: Any, model_type: str | None = None) -> None:
     """
     spec = patchset.requires.transformers if patchset.requires is not None else None
     check_requires(patchset.name, spec)
-    types = [model_type] if model_type else list(patchset.model_types)
+    # a type the patchset does not declare is the caller's to refuse (a typo gets suggestions there)
+    types = [model_type] if model_type in patchset.model_types else list(patchset.model_types)
     if types and is_bundled(patchset) and not any(known_model_type(t) for t in types):
         raise _absent(patchset.name, types[0], spec)
 
