@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidArgument, MissingDependency, TrainerConflict
+from engine.integrations.stack_import import import_stack_module
 
 __all__ = ["PLUGIN_NAME", "Settings", "apply_patchset", "configure", "main", "register", "run"]
 
@@ -69,15 +70,8 @@ last_report: Any = None
 
 def _import(module: str) -> Any:
     """Import a LlamaFactory v1 module, or say what to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise MissingDependency(
-            f"the LlamaFactory v1 integration needs LlamaFactory 0.9.5 or later (its v1 API, {module}): {INSTALL} "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
+    return import_stack_module(
+        module, needs="the LlamaFactory v1 integration needs LlamaFactory 0.9.5 or later (its v1 API)", install=INSTALL)
 
 
 def configure(kernel_config: Mapping[str, Any] | None, *, training: bool) -> Settings | None:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import InvalidArgument, MissingDependency, TrainerConflict
+from engine.errors import InvalidArgument, TrainerConflict
+from engine.integrations.stack_import import import_stack_module
 
 __all__ = ["PLUGIN_NAME", "kernel_mapping"]  # and PatchsetPatch, built on first use (see __getattr__)
 
@@ -44,15 +45,8 @@ _classes: dict[str, type] = {}
 
 def _twinkle(module: str) -> Any:
     """Import a twinkle module, or say what to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise MissingDependency(
-            f"engine.integrations.twinkle needs twinkle (the twinkle-kit package, {module}): {INSTALL} "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
+    return import_stack_module(module, needs="engine.integrations.twinkle needs twinkle (the twinkle-kit package)",
+                               install=INSTALL)
 
 
 def __getattr__(name: str) -> Any:
