@@ -23,9 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from verify_memory import MIB, QWEN3_1B, TOKENS  # noqa: E402
+from verify_memory import MIB, QWEN3_1B, TOKENS
 
-from engine.verification import models  # noqa: E402
+from engine.verification import models
 
 
 def truth_peak(layers: int) -> float:
