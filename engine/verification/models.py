@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -195,13 +195,8 @@ def _taking_gradients(model: nn.Module, into: dict[str, torch.Tensor], held: tor
             into[name] = hold(p.grad, held)
             p.grad = None
 
-    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: take(p, name))
-               for name, p in model.named_parameters() if p.requires_grad]
-    try:
+    with _on_gradient(dict(model.named_parameters()), take):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
@@ -218,7 +213,14 @@ def _judge_gradients(params: dict[str, nn.Parameter], grads: _Grads) -> Iterator
             return
         grads.diff[name] = compare(mine, theirs)
 
-    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: hook(p, name))
+    with _on_gradient(params, hook):
+        yield
+
+
+@contextlib.contextmanager
+def _on_gradient(params: dict[str, nn.Parameter], fn: Callable[[torch.Tensor, str], None]) -> Iterator[None]:
+    """``fn(param, name)`` each time autograd has accumulated a gradient of ``params``, while the block runs."""
+    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: fn(p, name))
                for name, p in params.items() if p.requires_grad]
     try:
         yield
