@@ -32,9 +32,9 @@ def main() -> None:
 
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from engine.bound_forward import Binding, PatchedForward
     from engine.kernels import registry
     from engine.ops.base import get_op
+    from engine.patching.bound_forward import Binding, PatchedForward
     from engine.schema import RmsNormPatch, Scale
 
     patch = RmsNormPatch(target="Qwen3RMSNorm", op="rms_norm", scale=Scale.weight, kernel="torch")

@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import engine
-from engine.bench_checkpoint import checkpoint_file, load
+from engine.commands.bench_checkpoint import checkpoint_file, load
 from engine.kernels import compiled
 
 COMPILED_MARKS = ("CompiledFunction", "Torch-Compiled Region", "cpp_fused", "Guard", "inductor")

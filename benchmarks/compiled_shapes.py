@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine import results_sections
+from engine.commands import results_sections
 from engine.kernels import compiled, registry
 from engine.ops.geglu import gelu_mul_reference
 from engine.ops.rms_norm import rms_norm_reference

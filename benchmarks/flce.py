@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import engine
-from engine import results_sections
+from engine.commands import results_sections
 from engine.ops.flce_torch import chunked_linear_cross_entropy
 
 MIB = 1 << 20

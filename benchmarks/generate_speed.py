@@ -33,8 +33,8 @@ os.environ.setdefault("PATCH_ENGINE_COMPILE", "1")
 import torch
 
 import engine
-from engine import results_sections
-from engine.bench_checkpoint import CHECKPOINTS, checkpoint_file, load
+from engine.commands import results_sections
+from engine.commands.bench_checkpoint import CHECKPOINTS, checkpoint_file, load
 from engine.kernels import compiled
 
 SECTION = "generate"

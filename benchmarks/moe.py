@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine import results_sections
+from engine.commands import results_sections
 
 SHAPE = {"num_experts": 128, "num_experts_per_tok": 8, "hidden_size": 2048, "moe_intermediate_size": 768}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,6 +1,6 @@
 """Run the benchmark suite: ``python benchmarks/run.py [--only ops,overhead,plan,train] [--quick]``.
 
-The same as ``patch-engine bench``; the code lives in :mod:`engine.bench` so the installed CLI has it.
+The same as ``patch-engine bench``; the code lives in :mod:`engine.commands.bench` so the installed CLI has it.
 Results: benchmarks/results/cpu.json and benchmarks/results/cpu.png.
 
 ``--device cuda`` runs the accelerator suite instead (benchmarks/device_suite.py: training step
@@ -20,6 +20,6 @@ if __name__ == "__main__":
         from device_suite import main as device_main
 
         sys.exit(device_main(argv))
-    from engine.bench import main
+    from engine.commands.bench import main
 
     sys.exit(main())

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from verify_bf16_norm import gguf
 
 import engine
-from engine import checkpoint
+from engine.commands import checkpoint
 from engine.kernels import registry
 from engine.ops.rms_norm import rms_norm_reference
 from engine.schema import CastOrder, Scale

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import checkpoint
+from engine.commands import checkpoint
 from engine.ops.rms_norm import rms_norm_reference
 from engine.schema import CastOrder, Precision, Scale
 

@@ -61,7 +61,7 @@ def load(name: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
     """The model (in ``dtype``, training mode) and a batch of 2 sequences of real English text (or random ids)."""
     import torch
 
-    from engine import checkpoint
+    from engine.commands import checkpoint
 
     if name == "qwen3-1b":
         from transformers import AutoModelForCausalLM, Qwen3Config

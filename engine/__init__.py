@@ -39,10 +39,10 @@ from engine.errors import (
 
 if TYPE_CHECKING:
     from engine.api import apply, is_patched, plan, revert, verify
-    from engine.hub_functions import torch_path
     from engine.loader import load_patchset
-    from engine.planner import Plan
-    from engine.report import Report
+    from engine.planning.planner import Plan
+    from engine.planning.report import Report
+    from engine.runtime.hub_functions import torch_path
     from engine.scaffolding import scaffold
     from engine.schema import Patchset
     from engine.verification import VerifyReport
@@ -58,10 +58,10 @@ _LAZY: dict[str, str] = {
     "verify": "engine.api",
     "load_patchset": "engine.loader",
     "Patchset": "engine.schema",
-    "Plan": "engine.planner",
-    "Report": "engine.report",
+    "Plan": "engine.planning.planner",
+    "Report": "engine.planning.report",
     "VerifyReport": "engine.verification",
-    "torch_path": "engine.hub_functions",
+    "torch_path": "engine.runtime.hub_functions",
     "scaffold": "engine.scaffolding",
 }
 
@@ -100,7 +100,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Load a public name (or a submodule, e.g. ``engine.patcher``) on first access."""
+    """Load a public name (or a submodule, e.g. ``engine.patching.patcher``) on first access."""
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

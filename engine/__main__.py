@@ -2,6 +2,6 @@
 
 import sys
 
-from engine.cli import main
+from engine.commands.cli import main
 
 sys.exit(main())

@@ -15,10 +15,10 @@ from torch import nn
 
 from engine import verification
 from engine.errors import InvalidArgument, VerificationFailed
-from engine.patcher import apply as _patch
-from engine.patcher import is_patched, revert
-from engine.planner import Mode, plan
-from engine.report import Report
+from engine.patching.patcher import apply as _patch
+from engine.patching.patcher import is_patched, revert
+from engine.planning.planner import Mode, plan
+from engine.planning.report import Report
 from engine.schema import Device, Patchset
 
 __all__ = ["apply", "is_patched", "plan", "revert", "verify"]
@@ -41,8 +41,8 @@ def verify(model: nn.Module, patchset: Any = None, *, interpret: bool = False, *
     """
     if not interpret:
         return verification.verify(model, patchset, **kwargs)
-    from engine.devices import as_device
     from engine.kernels.triton_interpret import interpreting
+    from engine.runtime.devices import as_device
 
     device = as_device(kwargs.pop("device", None) or "cuda")
     if device is not Device.cuda:
@@ -80,7 +80,7 @@ def apply(
 
     ``fused_cross_entropy=True`` (or ``{"kernel": ..., "chunk_size": ...}``) also fuses the
     causal-LM head + loss of any family (``False`` leaves it off; ``None``, the default, keeps
-    the patchset's ``fused_cross_entropy`` key). See :mod:`engine.fused_head`.
+    the patchset's ``fused_cross_entropy`` key). See :mod:`engine.planning.fused_head`.
 
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.

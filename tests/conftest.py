@@ -62,7 +62,7 @@ def torch_npu(monkeypatch: pytest.MonkeyPatch):
     """
     from npu_emulator import make_torch_npu
 
-    from engine import devices
+    from engine.runtime import devices
     from engine.schema import Device
 
     module = make_torch_npu()

@@ -11,7 +11,7 @@ from snapshots import assert_same, snapshot
 from transformers.models.qwen3 import modeling_qwen3
 
 import engine
-from engine import routing
+from engine.runtime import routing
 from engine.verification import probe_batch
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.cli import main
+from engine.commands.cli import main
 
 
 def test_bench_cli_writes_results(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
+from engine.commands.cli import main
 from engine.loader import bundled_dir, json_schema
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def test_verify_gguf_without_the_gguf_package_names_the_extra(tmp_path: Path) ->
         "        if name.split('.')[0] == 'gguf':\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
         "sys.meta_path.insert(0, _NoGguf())\n"
-        "from engine.cli import main\n"
+        "from engine.commands.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     model = tmp_path / "model.gguf"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.cli import main
+from engine.commands.cli import main
 from engine.loader import bundled_dir
 
 REPO = Path(__file__).resolve().parent.parent

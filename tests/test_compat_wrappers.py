@@ -24,8 +24,8 @@ from conftest import tiny_for
 from training_helpers import extra_kernel, grads, max_diff, qwen3_patchset
 
 import engine
-from engine.forwards import is_ours
 from engine.ops.rms_norm import rms_norm_reference
+from engine.patching.forwards import is_ours
 
 TOL = 1e-5
 NORMS = 9  # rms_norm calls per forward of the tiny qwen3

@@ -3,7 +3,7 @@
 The compiled runs go through transformers' own compiled ``generate``: a static cache with a
 ``CompileConfig(fullgraph=True, dynamic=False)`` (what ``test_generate_compile_model_forward_fullgraph``
 in transformers' suite runs for every model declaring ``_can_compile_fullgraph``), forced on
-the CPU. Backend ``eager``: dynamo alone, which is where routing (engine/routing.py) and the
+the CPU. Backend ``eager``: dynamo alone, which is where routing (engine/runtime/routing.py) and the
 MoE kernels' tracing (``grouped_mm``'s bf16-only meta function) could fail; AOTAutograd and
 inductor add minutes on two cores and test torch, not the engine. The outputs are compared
 with the unpatched model generating eagerly.

@@ -18,7 +18,7 @@ from engine.kernels import compiled, registry
 from engine.ops.geglu import gelu_mul_reference
 from engine.ops.rms_norm import rms_norm_reference
 from engine.ops.swiglu import silu_mul_reference
-from engine.planner import plan
+from engine.planning.planner import plan
 from engine.schema import CastOrder, GegluPatch, Precision, RmsNormPatch, Scale, SwigluPatch
 from engine.verification import compare, probe_batch
 
@@ -294,7 +294,7 @@ def test_a_session_never_hits_the_recompile_limit(dtype: torch.dtype) -> None:
 def _smollm2(dtype: torch.dtype) -> torch.nn.Module:
     import importlib.util
 
-    from engine.bench_checkpoint import checkpoint_file, load
+    from engine.commands.bench_checkpoint import checkpoint_file, load
     from engine.errors import MissingDependency
 
     if importlib.util.find_spec("gguf") is None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
-from engine.coverage import LIGER_MODEL_TYPES, coverage_rows, parameter_share, render_markdown
+from engine.commands.cli import main
+from engine.commands.coverage import LIGER_MODEL_TYPES, coverage_rows, parameter_share, render_markdown
 from engine.tiny import build_tiny_model
 
 

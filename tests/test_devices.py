@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.devices import as_device, current_device
 from engine.errors import DeviceUnsupported, MissingDependency
 from engine.kernels import registry
 from engine.kernels.compiled import CompilerRequirement
 from engine.kernels.npu import TORCH_NPU
-from engine.planner import resolve_kernel
+from engine.planning.planner import resolve_kernel
+from engine.runtime.devices import as_device, current_device
 from engine.schema import (
     Device,
     LinearAttentionPatch,
@@ -94,10 +94,10 @@ BROKEN_NPU_SCRIPT = textwrap.dedent(
     import json
     import torch
     import engine
-    from engine.devices import current_device
+    from engine.runtime.devices import current_device
     from engine.errors import MissingDependency
     from engine.kernels.npu import TORCH_NPU
-    from engine.planner import resolve_kernel
+    from engine.planning.planner import resolve_kernel
     from engine.schema import Device, OnUnsupported, RmsNormPatch
     out = {"device": current_device().value}
     try:

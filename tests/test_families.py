@@ -14,10 +14,10 @@ import torch
 from conftest import tiny_for
 
 import engine
+from engine.foundation.versions import patch_is_active
 from engine.loader import bundled_names, load_patchset
 from engine.verification import compare, probe_batch
 from engine.verification.models import surrogate_loss
-from engine.versions import patch_is_active
 
 NAMES = bundled_names()
 
@@ -100,5 +100,5 @@ def test_verify_passes_and_every_patch_is_exercised(name: str) -> None:
     report = engine.verify(model)
     assert report.passed
     assert not [c for c in report.checks if c.what == "called"]
-    patched_paths = {d.path for d in engine.patcher.applied_report(model).decisions if d.action == "patch"}
+    patched_paths = {d.path for d in engine.patching.patcher.applied_report(model).decisions if d.action == "patch"}
     assert patched_paths <= {c.path for c in report.checks}

@@ -136,7 +136,7 @@ def test_a_model_without_a_loss_is_refused_and_unchanged() -> None:
     base.config.model_type = "qwen3"
     with pytest.raises(SignatureMismatch, match="takes no `labels`"):
         engine.apply(base, "qwen3", device="cpu", fused_cross_entropy=True)
-    assert not engine.patcher.is_patched(base)
+    assert not engine.patching.patcher.is_patched(base)
 
 
 def test_refuses_a_custom_loss_function() -> None:
@@ -145,7 +145,7 @@ def test_refuses_a_custom_loss_function() -> None:
     before = model.forward
     with pytest.raises(SignatureMismatch, match="ForCausalLMLoss"):
         engine.apply(model, "qwen3_flce", device="cpu")
-    assert model.forward == before and not engine.patcher.is_patched(model)
+    assert model.forward == before and not engine.patching.patcher.is_patched(model)
 
 
 def test_bf16_model_within_bf16_rounding() -> None:
@@ -234,7 +234,7 @@ def test_liger_mapping_against_emulated_contract(device: str, family: str, num_i
     reference = tiny_for(family)
     patched = copy.deepcopy(reference)
     engine.apply(patched, family, device="cpu", mode="training", fused_cross_entropy=True)
-    patch = engine.patcher.applied_report(patched).decisions[-1].patch
+    patch = engine.patching.patcher.applied_report(patched).decisions[-1].patch
     kernel = liger_flce(lambda device_type: function)  # chosen per call, as on a device
     from engine.ops.base import get_op
 

@@ -23,7 +23,7 @@ from transformers import Trainer, TrainingArguments
 
 import engine
 from engine.errors import SignatureMismatch
-from engine.patcher import is_patched
+from engine.patching.patcher import is_patched
 from engine.verification import probe_batch
 
 

@@ -21,7 +21,7 @@ from conftest import tiny_for
 import engine
 from engine.errors import SignatureMismatch
 from engine.loader import bundled_names
-from engine.patcher import is_patched
+from engine.patching.patcher import is_patched
 from engine.verification import probe_batch
 
 NAMES = [n for n in bundled_names() if n != "qwen3_flce"]  # qwen3_flce is qwen3 with the switch on

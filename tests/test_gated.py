@@ -138,7 +138,7 @@ def test_gated_op_on_a_forward_without_gate_is_refused_before_patching():
     message = str(err.value)
     assert "Qwen3NextRMSNorm.forward(x)" in message and "'gate'" in message and "op: rms_norm" in message
     assert_same(before, snapshot(model))
-    assert not engine.patcher.is_patched(model)
+    assert not engine.patching.patcher.is_patched(model)
 
 
 def test_plain_op_on_a_gated_forward_is_refused():
@@ -261,4 +261,4 @@ def test_verify_names_the_cast_that_fits_on_kimi_linear():
     assert "model.layers.0.self_attn.o_norm (KimiLinearRMSNormGated): declaration of gated_rms_norm failed" in message
     assert "cast: fp32 fits" in message
     assert_same(before, snapshot(model))
-    assert not engine.patcher.is_patched(model)
+    assert not engine.patching.patcher.is_patched(model)

@@ -17,8 +17,8 @@ import inspect
 import pytest
 import torch
 
-from engine import routing
-from engine.see_through import kernels_function, see_through
+from engine.foundation.see_through import kernels_function, see_through
+from engine.runtime import routing
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("kernels") is None, reason="HF `kernels` is not installed")
 
@@ -46,8 +46,8 @@ def tiny_qwen3():
 
 
 def test_the_wrapper_hides_the_function_and_see_through_finds_it(wrapped_rope) -> None:
-    from engine.drift import signature_text
-    from engine.hub_functions import torch_body
+    from engine.foundation.drift import signature_text
+    from engine.runtime.hub_functions import torch_body
 
     assert isinstance(wrapped_rope, torch.nn.Module)
     assert str(inspect.signature(wrapped_rope)) == "(*args, **kwargs)"  # what the engine used to read
@@ -90,14 +90,14 @@ def test_rope_routes_to_our_kernel_and_reverts_to_the_wrapper_object(wrapped_rop
 
 
 def test_verify_qwen3_passes_under_the_wrapper(wrapped_rope) -> None:
-    from engine.coverage import verify_patchset
+    from engine.commands.coverage import verify_patchset
 
     passed, note = verify_patchset("qwen3")
     assert passed, note
 
 
 def test_the_scaffold_sees_the_wrapped_rope(wrapped_rope, tiny_qwen3) -> None:
-    from engine.scaffold_capture import model_functions
+    from engine.scaffolding.capture import model_functions
 
     found = model_functions(tiny_qwen3)
     assert found.get((ROPE_MODULE, "apply_rotary_pos_emb")) is wrapped_rope
@@ -107,7 +107,7 @@ def test_hub_bound_functions_are_seen_through_the_wrapper() -> None:
     """transformers wraps its own hub-fallback wrapper in a ``Func`` as well (linear attention)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
-    from engine.hub_functions import hub_binding, torch_body
+    from engine.runtime.hub_functions import hub_binding, torch_body
 
     fn = m.torch_chunk_gated_delta_rule
     if kernels_function(fn) is None:

@@ -21,9 +21,9 @@ from conftest import tiny_for
 
 import engine
 from engine.errors import DeviceUnsupported
-from engine.hub_functions import hub_binding, torch_body
 from engine.kernels import registry
 from engine.ops.rms_norm import rms_norm_reference
+from engine.runtime.hub_functions import hub_binding, torch_body
 from engine.schema import CastOrder, LinearAttentionPatch, Precision, RmsNormPatch, RopePatch, Scale, SwigluPatch
 from engine.verification import probe_batch
 from engine.verification.compare import judge
@@ -420,7 +420,7 @@ def _norms_only(tmp_path, **change) -> str:
 
 
 def test_cli_interpret_refuses_other_devices_and_checkpoints(capsys) -> None:
-    from engine.cli import main
+    from engine.commands.cli import main
 
     assert main(["verify", "qwen3", "--interpret", "--device", "npu"]) == 2  # nothing to interpret there
     assert "--interpret runs the CUDA plan's Triton kernels on this CPU" in capsys.readouterr().err
@@ -435,7 +435,7 @@ def test_cli_interpret_refuses_other_devices_and_checkpoints(capsys) -> None:
 def test_cli_verify_interpret(tmp_path, capsys) -> None:
     """`verify --interpret`: the CUDA plan (liger in the kernel column) run on this CPU; a flipped scale fails
     it, naming the module (exit 1). The passing case: test_interpreted_verify_passes_and_catches_a_wrong_argument."""
-    from engine.cli import main
+    from engine.commands.cli import main
 
     assert main(["verify", _norms_only(tmp_path, scale="one_plus_weight", cast="fp32"), "--interpret"]) == 1
     out = capsys.readouterr().out

@@ -18,7 +18,7 @@ import torch
 from conftest import tiny_for
 
 import engine
-from engine.cli import main
+from engine.commands.cli import main
 from engine.errors import PatchsetError
 from engine.loader import bundled_dir, load_patchset, resolve
 from engine.verification import probe_batch

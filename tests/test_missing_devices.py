@@ -19,8 +19,8 @@ from conftest import ROOT
 from snapshots import assert_same, snapshot
 
 import engine
-from engine.cli import main
-from engine.devices import current_device, is_present
+from engine.commands.cli import main
+from engine.runtime.devices import current_device, is_present
 from engine.schema import Device
 
 #: A device type this machine lacks (cuda on the CPU machines CI runs on).

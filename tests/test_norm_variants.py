@@ -160,7 +160,7 @@ def test_incident_wrong_one_plus_weight_is_caught_and_the_model_left_unpatched()
     assert "model.layers.0.input_layernorm" in message and "(Qwen3RMSNorm): declaration of rms_norm failed" in message
     assert "declared scale: one_plus_weight" in message
     assert "; scale: weight fits" in message
-    assert not engine.patcher.is_patched(model)
+    assert not engine.patching.patcher.is_patched(model)
     assert_same(before, snapshot(model))
     assert torch.equal(_loss(model, batch), reference)
 

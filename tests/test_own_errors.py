@@ -17,7 +17,7 @@ import torch
 from snapshots import assert_same, snapshot
 
 import engine
-from engine.cli import main
+from engine.commands.cli import main
 from engine.kernels import registry
 from engine.loader import load_patchset
 from engine.tiny import build_tiny_for

@@ -24,8 +24,8 @@ from conftest import ROOT, tiny_for
 from training_helpers import grads, max_diff
 
 import engine
-from engine import routing
-from engine.bound_forward import PatchedForward
+from engine.patching.bound_forward import PatchedForward
+from engine.runtime import routing
 
 TOL = 1e-5
 
@@ -68,7 +68,7 @@ def test_patched_model_roundtrips_patched_with_the_same_numbers(family: str, how
     loaded = ROUNDTRIPS[how](model)
     try:
         assert engine.is_patched(loaded)
-        assert engine.patcher.applied_report(loaded).patched == report.patched  # type: ignore[union-attr]
+        assert engine.patching.patcher.applied_report(loaded).patched == report.patched  # type: ignore[union-attr]
         patched_paths = [p for p in report.patched if "." in p and not p.startswith("transformers.")]
         modules = dict(loaded.named_modules())
         for path in patched_paths:
@@ -116,7 +116,7 @@ def test_a_model_saved_patched_loads_patched_in_a_fresh_process(tmp_path) -> Non
     engine.revert(model)
     script = textwrap.dedent(f"""
         import torch, engine
-        from engine.patcher import applied_report
+        from engine.patching.patcher import applied_report
         model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
         ids = torch.load({str(tmp_path / "ids.pt")!r})
         assert engine.is_patched(model)

@@ -26,8 +26,8 @@ import torch
 import yaml
 
 import engine
-from engine import checkpoint
-from engine.cli import main
+from engine.commands import checkpoint
+from engine.commands.cli import main
 from engine.loader import bundled_dir
 
 #: The ``real`` extra: the gguf reader and the two checkpoint packages.

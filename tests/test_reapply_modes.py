@@ -21,8 +21,8 @@ from transformers import Trainer, TrainingArguments
 import engine
 from engine.integrations.transformers import PatchsetCallback
 from engine.kernels import registry
-from engine.patcher import applied_report
 from engine.ops.rms_norm import rms_norm_reference
+from engine.patching.patcher import applied_report
 from engine.schema import Device
 
 TOL = 1e-5

@@ -21,10 +21,10 @@ from packaging.version import Version
 from snapshots import assert_same, snapshot
 
 import engine
-from engine.cli import EXIT_FAILED, main
+from engine.commands.cli import EXIT_FAILED, main
+from engine.foundation.versions import in_range
 from engine.loader import load_patchset
 from engine.tiny import build_tiny_model
-from engine.versions import in_range
 
 INSTALLED = Version(transformers.__version__)
 NOT_NOW = f"<{INSTALLED.major}.0"  # a range that leaves out the installed release
@@ -67,7 +67,7 @@ def test_plan_refuses_the_version_before_the_model_type(tmp_path: Path) -> None:
 
 
 def test_coverage_row_says_the_version(tmp_path: Path) -> None:
-    from engine.coverage import coverage_rows
+    from engine.commands.coverage import coverage_rows
 
     (row,) = coverage_rows(["qwen3"], patchsets={"qwen3": [str(_not_now(tmp_path))]})
     assert row.verified is False and row.note.startswith("VersionMismatch: ")
@@ -75,8 +75,8 @@ def test_coverage_row_says_the_version(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_is_not_loaded_for_a_patchset_of_another_release(tmp_path: Path) -> None:
-    from engine.bench_checkpoint import run_cli
-    from engine.checkpoint import verify_checkpoint_files
+    from engine.commands.bench_checkpoint import run_cli
+    from engine.commands.checkpoint import verify_checkpoint_files
 
     missing = str(tmp_path / "no-such-checkpoint")  # loading it would fail with its own error
     with pytest.raises(engine.VersionMismatch) as info:
@@ -88,7 +88,7 @@ def test_a_checkpoint_is_not_loaded_for_a_patchset_of_another_release(tmp_path: 
 
 
 def test_a_bundled_patchset_whose_model_type_the_release_lacks_is_a_version_mismatch() -> None:
-    from engine.release import check_release
+    from engine.runtime.release import check_release
 
     qwen3 = load_patchset("qwen3")
     moved = qwen3.model_copy(update={"model_types": ["qwen3_from_the_future"]})

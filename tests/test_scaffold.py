@@ -16,12 +16,12 @@ import pytest
 import yaml
 
 import engine
-from engine.cli import main
+from engine.commands.cli import main
+from engine.foundation.versions import patch_is_active
 from engine.loader import bundled_names, load_patchset
 from engine.scaffolding import scaffold
 from engine.tiny import build_tiny_model
-from engine.tiny_config import derive_tiny_config
-from engine.versions import patch_is_active
+from engine.tiny.config import derive_tiny_config
 
 #: Patch keys that say how to run a patch, not what the target computes (the scaffold never sets them).
 _RUN_KEYS = {"kernel", "optional", "signature", "when"}

@@ -29,12 +29,12 @@ from torch import nn
 from training_helpers import grads, max_diff
 
 import engine
-from engine import routing
-from engine.cli import main
+from engine.commands.cli import main
 from engine.errors import InvalidArgument, ModelTypeMismatch, VerificationFailed
 from engine.loader import load_patchset
+from engine.runtime import routing
 from engine.tiny import build_tiny_model
-from engine.tiny_config import derive_tiny_config
+from engine.tiny.config import derive_tiny_config
 
 TOL = 1e-5
 

@@ -5,7 +5,7 @@ ContextVar and wrapped forwards could fail) and AOTAutograd (the traced forward 
 graphs), without inductor's C++ code generation, which takes ~50 s for this model on two
 cores and would test inductor, not the engine.
 
-Function patches (rope) are routed through a list dynamo traces (engine/routing.py), and
+Function patches (rope) are routed through a list dynamo traces (engine/runtime/routing.py), and
 module patches are plain forwards: a patched model has the unpatched model's graph breaks,
 no more (tests/test_compile_fullgraph.py compiles with ``fullgraph=True``).
 """

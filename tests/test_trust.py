@@ -18,9 +18,10 @@ from snapshots import assert_same, snapshot
 from transformers.models.qwen3 import modeling_qwen3
 
 import engine
-from engine import patcher, routing
 from engine.kernels import registry
 from engine.ops.rms_norm import RmsNormOp
+from engine.patching import patcher
+from engine.runtime import routing
 from engine.tiny import build_tiny_model
 from engine.verification import probe_batch
 

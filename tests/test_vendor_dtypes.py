@@ -14,9 +14,9 @@ import torch
 from conftest import tiny_for
 
 import engine
-from engine.kernel_choice import resolve_kernel
 from engine.kernels.vendor_dtypes import unverified
 from engine.loader import load_patchset
+from engine.planning.kernel_choice import resolve_kernel
 from engine.schema import Device, OnUnsupported
 from engine.verification.modules import _unverified_elsewhere
 

@@ -17,7 +17,7 @@ from snapshots import assert_same, snapshot
 from transformers.models.qwen3 import modeling_qwen3
 
 import engine
-from engine import routing
+from engine.runtime import routing
 from engine.schema import Activation
 from engine.tiny import build_tiny_model
 from engine.verification import Check

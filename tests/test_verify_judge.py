@@ -20,7 +20,7 @@ from snapshots import assert_same, snapshot
 import engine
 from engine.kernels import registry
 from engine.ops.rms_norm import rms_norm_reference
-from engine.patcher import original_forwards
+from engine.patching.patcher import original_forwards
 from engine.verification import NOISE_FACTOR, probe_batch, sample_modules
 from engine.verification.truth import GradientSink, fp64_truth
 

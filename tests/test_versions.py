@@ -14,7 +14,7 @@ from packaging.version import Version
 from snapshots import assert_same, snapshot
 
 import engine
-from engine.matrix import check_claims, installed_kernels, render_section, run
+from engine.commands.matrix import check_claims, installed_kernels, render_section, run
 from engine.tiny import build_tiny_model
 
 INSTALLED = Version(transformers.__version__)
@@ -90,8 +90,8 @@ def test_requires_outside_the_installed_release_refuses_with_the_verified_range(
 
 def test_every_bundled_patchset_claims_the_installed_release() -> None:
     # the suite's release is in the matrix; a patchset claiming less would not be verified by the suite
+    from engine.foundation.versions import in_range
     from engine.loader import bundled_names, load_patchset
-    from engine.versions import in_range
 
     outside = [n for n in bundled_names() if not in_range(load_patchset(n).requires.transformers, str(INSTALLED))]
     assert outside == []

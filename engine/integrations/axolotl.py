@@ -33,9 +33,9 @@ from torch import nn
 
 from engine.api import apply, plan
 from engine.errors import InvalidArgument, MissingDependency, PatchError, TrainerConflict
-from engine.report import Report
+from engine.planning.report import Report
+from engine.runtime.wrappers import unwrap
 from engine.schema import FusedCrossEntropy
-from engine.wrappers import unwrap
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -92,7 +92,7 @@ class PatchsetPlugin(BasePlugin):
     """An axolotl plugin that patches the loaded (and adapter-wrapped) model with a patchset.
 
     Attributes:
-        report: the :class:`~engine.report.Report` of the last apply (``None`` before).
+        report: the :class:`~engine.planning.report.Report` of the last apply (``None`` before).
     """
 
     def __init__(self) -> None:

@@ -120,7 +120,7 @@ def apply_patchset(model: Any, include_kernels: Any = None, **kwargs: Any) -> An
     """
     global last_report
     from engine.api import apply
-    from engine.wrappers import unwrap
+    from engine.runtime.wrappers import unwrap
 
     if _settings is None:
         raise InvalidArgument(

@@ -104,7 +104,7 @@ class SwiftPatchsetCallback(PatchsetCallback):
 
 
 def _model_type(model: Any) -> str:
-    from engine.wrappers import unwrap
+    from engine.runtime.wrappers import unwrap
 
     model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
     if not model_type:

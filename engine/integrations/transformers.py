@@ -36,9 +36,9 @@ from transformers import TrainerCallback
 from engine.api import apply, is_patched, plan, revert
 from engine.errors import TrainerConflict
 from engine.ops.trl_head import trl_trainer_conflict
-from engine.report import Report
+from engine.planning.report import Report
+from engine.runtime.wrappers import unwrap
 from engine.schema import Patchset
-from engine.wrappers import unwrap
 
 __all__ = ["PatchsetCallback", "patch_for_training"]
 
@@ -64,7 +64,7 @@ class PatchsetCallback(TrainerCallback):
         verify: check every patched module against its original forward once, when applying.
         fused_cross_entropy: fuse the causal-LM head + loss (``True``, ``False``, or
             ``{kernel, chunk_size}``; ``None`` keeps the patchset's key), as Liger's
-            ``fused_linear_cross_entropy=True``. See :mod:`engine.fused_head`.
+            ``fused_linear_cross_entropy=True``. See :mod:`engine.planning.fused_head`.
 
     Attributes:
         report: the :class:`Report` of the last apply (``None`` before).

@@ -74,7 +74,7 @@ def _load(patchset: Any, fused_cross_entropy: Any) -> Any:
 
 
 def _model_type_patchset(model: Any) -> str:
-    from engine.wrappers import unwrap
+    from engine.runtime.wrappers import unwrap
 
     model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
     if model_type is None:
@@ -93,7 +93,7 @@ class _PatchsetPatchMixin:
         fused_cross_entropy: only ``None``/``False`` (see the module docstring).
 
     Attributes:
-        report: the :class:`engine.report.Report` of the last apply (``None`` before).
+        report: the :class:`engine.planning.report.Report` of the last apply (``None`` before).
     """
 
     def __init__(self, patchset: Any = None, *, verify: bool = False, mode: str = "training",
@@ -106,7 +106,7 @@ class _PatchsetPatchMixin:
     def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
         """Apply to ``module`` (the HF model ``apply_patch`` hands over); keywords override the constructor's.
 
-        Returns the :class:`engine.report.Report`.
+        Returns the :class:`engine.planning.report.Report`.
         """
         from engine.api import apply
 

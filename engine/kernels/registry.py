@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine import kernel_names as _names
 from engine.errors import InvalidArgument, KernelNotFound, MissingDependency
 from engine.schema import Device
+from engine.schema import kernel_names as _names
 
 __all__ = [
     "ALL_DEVICES",

@@ -7,7 +7,7 @@ in a model of that dtype, while torch's default fp32 matmul on CUDA is not TF32:
 default would make verify fail and, unverified, train less precisely than the original. The
 measurements are data (``engine/_data/vendor_dtypes.yaml``, each entry citing its run and the
 Triton reason); this module only reads them. ``auto`` passes such a kernel over
-(:mod:`engine.kernel_choice`); a kernel named explicitly is kept, with the reason as a warning.
+(:mod:`engine.planning.kernel_choice`); a kernel named explicitly is kept, with the reason as a warning.
 """
 
 from __future__ import annotations

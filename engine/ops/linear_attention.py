@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.errors import InvalidArgument, SignatureMismatch
-from engine.hub_functions import torch_body
 from engine.ops.base import FunctionOp, register_op
+from engine.runtime.hub_functions import torch_body
 from engine.schema import DeltaRule, DeltaRuleForm, LinearAttentionPatch
 
 __all__ = ["REFERENCES", "LinearAttentionOp", "torch_reference"]

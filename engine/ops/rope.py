@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from engine.errors import SignatureMismatch
+from engine.foundation.see_through import see_through
 from engine.ops.base import FunctionOp, register_op
 from engine.schema import RopeLayout, RopePatch
-from engine.see_through import see_through
 
 __all__ = [
     "RopeOp",

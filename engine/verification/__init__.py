@@ -16,7 +16,7 @@ copy of the module with its *own* weights:
 
 Then the whole model: logits, loss and every parameter gradient, patched vs unpatched, judged
 the same way, on the model's own parameters (the original runs with its original forwards,
-:func:`engine.patcher.original_forwards`; nothing copies the model).
+:func:`engine.patching.patcher.original_forwards`; nothing copies the model).
 
 One module per job: :mod:`.compare` (differences, the judge), :mod:`.truth` (the fp64
 evaluation), :mod:`.probes` (inputs), :mod:`.modules` (per-module and per-function checks),

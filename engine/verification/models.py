@@ -3,7 +3,7 @@
 Three runs of one batch, on the model's own parameters (no copy of the model):
 
 1. the **original**: the patched model with its original forwards and functions
-   (:func:`engine.patcher.original_forwards`); its gradients are kept, one set;
+   (:func:`engine.patching.patcher.original_forwards`); its gradients are kept, one set;
 2. the **patched** model: each parameter's gradient is compared with the original's as soon
    as autograd has accumulated it, then dropped (a post-accumulate-grad hook), so the patched
    gradients never exist all at once;
@@ -28,8 +28,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from engine.hub_functions import torch_path
-from engine.patcher import original_forwards
+from engine.patching.patcher import original_forwards
+from engine.runtime.hub_functions import torch_path
 from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, max_abs, max_abs_diff, noise_note
 from engine.verification.results import MODEL, Check
 from engine.verification.truth import GradientSink, fp64_truth

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import routing
-from engine.hub_functions import torch_body, torch_path
 from engine.kernels import compiled
 from engine.ops.base import ModuleOp, get_op
-from engine.patcher import original_forwards
+from engine.patching.patcher import original_forwards
+from engine.runtime import routing
+from engine.runtime.hub_functions import torch_body, torch_path
 from engine.verification.compare import DTYPE_NAMES, cast_floats, clone_tensors, compare, is_exact, judge
 from engine.verification.random_state import same_draws
 from engine.verification.results import Check
@@ -52,7 +52,7 @@ def verify_module(
     Each dtype runs on a copy of this one module cast to it. ``within``: the module holds other
     patched modules of that model (the fused head's target is the model itself), so it is not
     copied: it is checked in place in its own dtype, its declaration with every forward of the
-    model original (:func:`engine.patcher.original_forwards`); its kernel's numbers are the
+    model original (:func:`engine.patching.patcher.original_forwards`); its kernel's numbers are the
     whole model's, judged by the ``<model>`` checks.
     """
     op = get_op(d.op)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import routing
+from engine.runtime import routing
 from engine.verification.compare import cast_floats, move_tensors
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.report import format_table
+from engine.planning.report import format_table
 from engine.verification.compare import FLOOR_ULPS, NOISE_FACTOR
 
 #: The ``path`` of whole-model checks.

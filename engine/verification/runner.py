@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from engine.errors import NotPatched, VerificationFailed
-from engine.patcher import STATE_ATTR, apply, revert
+from engine.patching.patcher import STATE_ATTR, apply, revert
+from engine.runtime.wrappers import unwrap
 from engine.verification.compare import DTYPE_NAMES, move_tensors
 from engine.verification.models import Offload, compare_models, holding_device, seeded
 from engine.verification.modules import verify_function, verify_module
 from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, takes_labels
 from engine.verification.random_state import keeps_random_state
 from engine.verification.results import Check, VerifyReport, failure_message
-from engine.wrappers import unwrap
 
 __all__ = ["sample_modules", "verify"]
 

@@ -1,0 +1,240 @@
+"""Verify a patchset on a user's own checkpoint: load it, tokenize a text, compare perplexities.
+
+Why: a patch meets real activation ranges (outlier activations, trained norm weights) only on a
+trained checkpoint and real tokens; tiny models with random weights do not have them. This is
+what ``patch-engine verify PATCHSET --model PATH`` (or ``--gguf FILE``) runs:
+
+1. :func:`load_checkpoint`: the model and its tokenizer from a ``from_pretrained`` folder or a
+   ``.gguf`` file (transformers de-quantizes it to ``dtype``); remote code only when asked.
+2. :func:`text_batch`: one sequence of real tokens (labels = input ids), by default the bundled
+   :data:`DEFAULT_TEXT` (the opening of Jane Austen's *Pride and Prejudice*, 1813, public domain).
+3. :func:`verify_checkpoint`: perplexity unpatched, then apply, verify every patched module on the
+   activations of those tokens and the whole model (:func:`engine.verify` with ``batch=``),
+   perplexity patched, and revert: the model is left as it was loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.api import apply, revert, verify
+from engine.errors import InvalidArgument, MissingDependency
+from engine.planning.report import Report, from_files
+from engine.verification import VerifyReport
+
+__all__ = [
+    "DEFAULT_TEXT",
+    "CheckpointVerification",
+    "default_text",
+    "load_checkpoint",
+    "perplexity",
+    "text_batch",
+    "verify_checkpoint",
+    "verify_checkpoint_files",
+]
+
+#: The bundled text verification runs on when none is given (a few hundred tokens of English prose).
+DEFAULT_TEXT = "verify_text.txt"
+
+#: transformers' own minimum (``GGUF_MIN_VERSION``); older ones fail inside its loader.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+GGUF_INSTALL = 'pip install "gguf>=0.10" (or pip install "patch-engine[gguf]")'
+
+
+def default_text() -> str:
+    """The bundled English text (shipped in the wheel as ``engine/_data/verify_text.txt``)."""
+    return resources.files("engine").joinpath("_data", DEFAULT_TEXT).read_text(encoding="utf-8")
+
+
+def load_checkpoint(
+    model: str | Path | None = None,
+    *,
+    gguf: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)`` from a ``from_pretrained`` folder, or from one ``.gguf`` file.
+
+    A GGUF file is loaded as transformers does it (``from_pretrained(folder, gguf_file=name)``),
+    which needs the ``gguf`` package. Remote code runs only with ``trust_remote_code=True``.
+
+    Raises:
+        InvalidArgument: neither or both sources, a path that is not there, or a folder that
+            is not a checkpoint (no ``config.json``), or one that needs ``--trust-remote-code``.
+        MissingDependency: a ``.gguf`` file without the ``gguf`` package installed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (model is None) == (gguf is None):
+        raise InvalidArgument("give a checkpoint: a from_pretrained folder (--model PATH) or a .gguf file (--gguf FILE)")
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf is not None:
+        path = Path(gguf)
+        if not path.is_file():
+            raise InvalidArgument(f"--gguf {gguf}: no such file")
+        try:
+            importlib.import_module("gguf")
+        except ImportError as exc:
+            raise MissingDependency(
+                f"loading {path.name} needs the gguf package, which is not installed; {GGUF_INSTALL}"
+            ) from exc
+        folder, kwargs["gguf_file"] = path.parent, path.name
+    else:
+        folder = Path(model)  # type: ignore[arg-type]
+        if not folder.is_dir():
+            raise InvalidArgument(f"--model {model}: no such folder (a from_pretrained folder with config.json)")
+        if not (folder / "config.json").is_file():
+            raise InvalidArgument(f"--model {model}: no config.json in this folder, so it is not a from_pretrained checkpoint")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc) and not trust_remote_code:
+            raise InvalidArgument(
+                f"{folder} needs code from the checkpoint to load; read that code, then pass --trust-remote-code"
+            ) from exc
+        raise
+    return loaded, tokenizer
+
+
+def text_batch(tokenizer: Any, text: str, *, max_tokens: int | None = None, device: Any = None) -> dict[str, torch.Tensor]:
+    """One sequence of ``text``'s tokens (at most ``max_tokens``): input ids, attention mask, labels.
+
+    Labels are the input ids (the model shifts them), so the loss is the mean next-token loss.
+    """
+    encoded = tokenizer(text, return_tensors="pt", truncation=max_tokens is not None, max_length=max_tokens)
+    ids = encoded["input_ids"]
+    if ids.shape[-1] < 2:
+        raise InvalidArgument(f"the text has {ids.shape[-1]} token(s); verification needs at least 2")
+    mask = encoded.get("attention_mask", torch.ones_like(ids))
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+    return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+
+
+def perplexity(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """``exp`` of the model's mean next-token loss on ``batch`` (no gradients)."""
+    with torch.no_grad():
+        loss = model(**batch).loss
+    return math.exp(float(loss))
+
+
+@dataclass
+class CheckpointVerification:
+    """What :func:`verify_checkpoint` measured: perplexities, the apply report and the verification."""
+
+    perplexity_unpatched: float
+    perplexity_patched: float
+    tokens: int
+    applied: Report
+    report: VerifyReport
+    #: Where the model and text came from, for the printed header (set by :func:`verify_checkpoint_files`).
+    source: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed
+
+    def perplexity_lines(self) -> list[str]:
+        change = (self.perplexity_patched / self.perplexity_unpatched - 1) * 100
+        return [
+            f"perplexity unpatched {self.perplexity_unpatched:.4f}",
+            f"perplexity patched   {self.perplexity_patched:.4f} ({change:+.4f}%)",
+        ]
+
+    def text(self, *, detail: bool = False) -> str:
+        """A header naming the patchset, checkpoint and text; the perplexities; the verification table."""
+        a, src = self.applied, self.source
+        head = (f"verify {a.patchset!r}{from_files(a.files)} on {src.get('checkpoint', 'a model')} "
+                f"({src.get('model', '-')}, {a.model_type}, {a.device}, {src.get('dtype', '-')}, {a.mode}), "
+                f"{self.tokens} tokens of {src.get('text', 'text')}")
+        table = f"{self.report}\n\n{self.report.table(detail=True)}" if detail else str(self.report)
+        return "\n".join([head, *self.perplexity_lines(), table])
+
+    def to_dict(self) -> dict[str, Any]:
+        a = self.applied
+        return {"ok": self.passed, "patchset": a.patchset, "file": a.file, **self.source,
+                "model_type": a.model_type, "device": a.device, "mode": a.mode,
+                "tokens": self.tokens,
+                "perplexity": {"unpatched": self.perplexity_unpatched, "patched": self.perplexity_patched},
+                **self.report.to_dict()}
+
+
+def verify_checkpoint(
+    model: nn.Module,
+    patchset: Any,
+    batch: dict[str, torch.Tensor],
+    *,
+    mode: str = "inference",
+    device: Any = None,
+    fused_cross_entropy: Any = None,
+    modules: str = "all",
+) -> CheckpointVerification:
+    """Perplexity unpatched; apply; verify on ``batch``; perplexity patched; revert.
+
+    ``mode`` is how the model runs: ``training`` (``model.train()``, kernels with a backward,
+    the fused head computing the loss) or ``inference`` (``model.eval()``). ``modules="sample"``
+    checks the first, middle and last module of each patched class (see :func:`engine.verify`).
+    The model is reverted before this returns, also when verification fails.
+    """
+    model.train(mode == "training")
+    before = perplexity(model, batch)
+    applied = apply(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
+    try:
+        report = verify(model, batch=batch, modules=modules, raise_on_failure=False)
+        after = perplexity(model, batch)
+    finally:
+        revert(model)
+    return CheckpointVerification(before, after, int(batch["input_ids"].numel()), applied, report)
+
+
+def verify_checkpoint_files(
+    patchset: str,
+    *,
+    model: str | None = None,
+    gguf: str | None = None,
+    text: str | None = None,
+    max_tokens: int | None = 512,
+    dtype: str = "fp32",
+    mode: str = "inference",
+    device: str | None = None,
+    fused_cross_entropy: Any = None,
+    modules: str = "all",
+    trust_remote_code: bool = False,
+) -> CheckpointVerification:
+    """What ``patch-engine verify PATCHSET --model PATH | --gguf FILE`` runs, from paths and names.
+
+    Everything a user typed is checked before the checkpoint is loaded (that takes a while):
+    the patchset, the text file, the dtype, the device.
+    """
+    from engine.loader import load_patchset
+    from engine.runtime.devices import as_device, require_present
+    from engine.runtime.release import check_release
+
+    if text is not None and not Path(text).is_file():
+        raise InvalidArgument(f"--text {text}: no such file")
+    if max_tokens is not None and max_tokens < 2:
+        raise InvalidArgument(f"--max-tokens {max_tokens}: verification needs at least 2 tokens")
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    ps = load_patchset(patchset)
+    check_release(ps)  # before the checkpoint is loaded
+    dev = as_device(device or "cpu")
+    require_present(dev)
+    loaded, tokenizer = load_checkpoint(model, gguf=gguf, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    loaded.to(dev.value)
+    words = Path(text).read_text(encoding="utf-8") if text is not None else default_text()
+    batch = text_batch(tokenizer, words, max_tokens=max_tokens, device=dev.value)
+    done = verify_checkpoint(loaded, ps, batch, mode=mode, device=dev, fused_cross_entropy=fused_cross_entropy,
+                             modules=modules)
+    done.source = {"checkpoint": str(gguf or model), "model": type(loaded).__name__, "dtype": dtype,
+                   "text": text or "the bundled text"}
+    return done

@@ -1,0 +1,346 @@
+"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, scaffold, coverage, demo, kernels, bench.
+
+Exit codes: 0 ok, 1 a check failed (invalid patchset, plan refused, verification
+failed), 2 usage error (bad arguments: unknown option, device or model type, or a
+device this machine does not have). With
+``--json`` a refusal is also printed to stdout as ``{"ok": false, "error": ..., "type": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from engine.errors import DeviceNotAvailable, InvalidArgument, PatchError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from engine.loader import load_patchset, resolve
+
+    failed = 0
+    results = []
+    for path in args.files:
+        used = path
+        try:
+            used = str(resolve(path))  # the file actually read: a local copy wins over the bundled one
+            ps = load_patchset(used)
+        except PatchError as exc:
+            failed += 1
+            problems = getattr(exc, "errors", None) or [exc]
+            errors = [_error_dict(e) for e in problems]
+            results.append({"file": used, **_given(path, used), "ok": False, "errors": errors})
+            if not args.json:
+                print(exc, file=sys.stderr)
+        else:
+            entry = {"file": used, **_given(path, used), "ok": True, "name": ps.name, "patches": len(ps.patches)}
+            if len(ps.files) > 1:
+                entry["extends"] = list(ps.files[1:])  # the bases read, in order
+            results.append(entry)
+            if not args.quiet and not args.json:
+                print(f"{used}: ok ({ps.name}, {len(ps.patches)} patches)")
+    if args.json:
+        print(json.dumps({"ok": not failed, "files": results}, indent=2))
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _given(given: str, used: str) -> dict[str, str]:
+    """``{"given": ...}`` when the file used is not literally what was typed (``qwen3`` -> its path)."""
+    return {"given": given} if given != used else {}
+
+
+def _error_dict(exc: Exception) -> dict[str, Any]:
+    """An error as data: its type and text, and for a patchset error its file, line and key."""
+    data: dict[str, Any] = {"type": type(exc).__name__, "error": str(exc)}
+    for attr in ("file", "line", "key", "problem"):
+        if hasattr(exc, attr):
+            data[attr] = getattr(exc, attr)
+    return data
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from engine.loader import json_schema
+
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def _tiny_model_for(patchset: Any, model_type: str | None, dtype: str) -> Any:
+    import torch
+
+    from engine.tiny import build_tiny_for
+
+    return build_tiny_for(patchset, model_type, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from engine.loader import load_patchset
+    from engine.planning.planner import plan
+
+    ps = load_patchset(args.patchset)
+    model = _tiny_model_for(ps, args.model_type, "fp32")
+    the_plan = plan(model, ps, device=args.device, mode=args.mode)
+    if args.json:
+        from engine.planning.report import Report
+
+        print(json.dumps(Report.from_plan(the_plan).to_dict(), indent=2))
+    else:
+        from engine.planning.report import format_decisions, from_files
+
+        print(f"plan {ps.name!r}{from_files(ps.files)} for a tiny {the_plan.model_type} "
+              f"on {the_plan.device.value} ({the_plan.mode})")
+        print(format_decisions(the_plan.decisions, detail=args.detail))
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from engine.api import apply, revert, verify
+    from engine.loader import load_patchset
+    from engine.planning.report import from_files
+    from engine.runtime.devices import as_device, require_present
+    from engine.schema import Device
+
+    if args.model or args.gguf:
+        if args.interpret:
+            raise InvalidArgument("--interpret verifies on a tiny model; a checkpoint runs on its own device")
+        return _verify_checkpoint(args)
+    given = [flag for flag, value in (("--text", args.text), ("--mode", args.mode), ("--sample", args.sample),
+                                      ("--fused-cross-entropy", args.fused_cross_entropy),
+                                      ("--trust-remote-code", args.trust_remote_code)) if value]
+    if given:
+        raise InvalidArgument(f"{', '.join(given)} apply to a checkpoint only: add --model PATH or --gguf FILE")
+    ps = load_patchset(args.patchset)
+    device = as_device(args.device or ("cuda" if args.interpret else "cpu"))
+    if args.interpret:
+        from engine.kernels.triton_interpret import interpreting
+
+        if device is not Device.cuda:
+            raise InvalidArgument(f"--interpret runs the CUDA plan's Triton kernels on this CPU; --device "
+                                  f"{device.value} has none: use --device cuda (the default with --interpret)")
+        scope = interpreting()
+    else:
+        require_present(device)  # before building anything: --device cuda on a CPU machine is a usage error
+        scope = contextlib.nullcontext()
+    model = _tiny_model_for(ps, args.model_type, args.dtype)
+    if not args.interpret:
+        model = model.to(device.value)
+    with scope:  # interpreted: the vendor kernels of the CUDA plan run on CPU tensors (Triton's interpreter)
+        applied = apply(model, ps, device=device)
+        try:
+            report = verify(model, raise_on_failure=False)
+        finally:
+            revert(model)  # releases function routers (matters when main() runs inside a process)
+    if args.json:
+        data = {"ok": report.passed, "patchset": ps.name, "file": applied.file, "model_type": applied.model_type,
+                "model": type(model).__name__, "device": applied.device, **report.to_dict()}
+        print(json.dumps(data, indent=2))
+    else:
+        print(f"verify {ps.name!r}{from_files(ps.files)} on a tiny {applied.model_type} "
+              f"({type(model).__name__}, {applied.device})")
+        print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
+    return EXIT_OK if report.passed else EXIT_FAILED
+
+
+def _verify_checkpoint(args: argparse.Namespace) -> int:
+    """``verify PATCHSET --model PATH | --gguf FILE``: the user's checkpoint, on real tokens.
+
+    See :mod:`engine.commands.checkpoint`.
+    """
+    from engine.commands.checkpoint import verify_checkpoint_files
+
+    if args.model and args.gguf:
+        raise InvalidArgument("give --model PATH or --gguf FILE, not both")
+    if args.model_type:
+        raise InvalidArgument("--model-type builds a tiny model; a checkpoint's model type is its config's")
+    done = verify_checkpoint_files(
+        args.patchset, model=args.model, gguf=args.gguf, text=args.text, max_tokens=args.max_tokens,
+        dtype=args.dtype, mode=args.mode or "inference", device=args.device,
+        fused_cross_entropy=True if args.fused_cross_entropy else None, trust_remote_code=args.trust_remote_code,
+        modules="sample" if args.sample else "all",
+    )
+    print(json.dumps(done.to_dict(), indent=2) if args.json else done.text(detail=args.detail))
+    return EXIT_OK if done.passed else EXIT_FAILED
+
+
+def _cmd_scaffold(args: argparse.Namespace) -> int:
+    from engine.scaffolding import scaffold
+
+    config = json.loads(args.config) if args.config else None
+    if (args.model_type is None) == (args.model is None):
+        raise InvalidArgument("scaffold takes a model type (patch-engine scaffold llama) or a checkpoint folder "
+                              "(patch-engine scaffold --model PATH), one of the two")
+    if args.model is None and (args.trust_remote_code or args.weights):
+        raise InvalidArgument("--trust-remote-code and --weights are for a checkpoint folder: add --model PATH")
+    if args.model is not None:
+        from pathlib import Path
+
+        text = scaffold(Path(args.model), config=config, trust_remote_code=args.trust_remote_code,
+                        weights=args.weights).to_yaml()
+    else:
+        text = scaffold(args.model_type, config=config).to_yaml()
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _cmd_coverage(args: argparse.Namespace) -> int:
+    from engine.commands.coverage import coverage_rows, render_markdown
+
+    rows = coverage_rows(args.model_types or None, verify=not args.no_verify)
+    text = render_markdown(rows)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK if all(r.verified is not False for r in rows) else EXIT_FAILED
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from engine.commands.demo import run_demo
+
+    return run_demo(args.patchset, steps=args.steps)
+
+
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    from engine.kernels.registry import all_providers
+    from engine.planning.report import format_table
+
+    rows = [
+        (p.name, p.op, p.device_list(), ", ".join(d.package for d in p.requires) or "-",
+         "yes" if p.has_backward else "no", "yes" if p.compile_safe else "no")
+        for p in sorted(all_providers(), key=lambda p: (p.op, p.name))
+    ]
+    print(format_table(("kernel", "op", "devices", "needs", "backward", "compile-safe"), rows))
+    return EXIT_OK
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from engine.commands.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="patch-engine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="validate patchset files against the schema")
+    p.add_argument("files", nargs="+")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid files")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of patchsets")
+    p.set_defaults(func=_cmd_schema)
+
+    for name, func, help_ in (
+        ("plan", _cmd_plan, "show what applying a patchset would do, on a tiny model of its family"),
+        ("verify", _cmd_verify, "apply to a tiny model and compare patched vs original numerically"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("patchset", help="bundled name (qwen3) or a .yaml path (qwen3.yaml: ./qwen3.yaml if it exists)")
+        p.add_argument("--model-type", help="model_type of the tiny model (default: the patchset's)")
+        p.add_argument("--device", help="cpu, cuda, npu, xpu, mps (default: current accelerator)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "plan":
+            p.add_argument("--mode", choices=("training", "inference"), default="training")
+            p.add_argument("--detail", action="store_true", help="one row per module")
+        else:
+            p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the model")
+            p.add_argument("--detail", action="store_true", help="also one row per check")
+            p.add_argument("--interpret", action="store_true",
+                           help="plan for CUDA and run its Triton kernels (liger, fla) on this CPU with Triton's "
+                                "interpreter (slow; default device cuda)")
+            _checkpoint_arguments(p)
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("scaffold", help="measure every op's declarations on a tiny model of a type; print a patchset")
+    p.add_argument("model_type", nargs="?", help="a transformers model_type, e.g. llama (or give --model)")
+    p.add_argument("--model", metavar="PATH",
+                   help="a local checkpoint folder (config.json; remote code too): a tiny model from its config")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the folder's own modeling code (its config.json auto_map); read it first")
+    p.add_argument("--weights", action="store_true",
+                   help="measure the checkpoint as saved (from_pretrained) instead of a tiny model of its config")
+    p.add_argument("--out", help="write the patchset here (default: stdout)")
+    p.add_argument("--config", help='JSON of tiny-config keys to override, e.g. \'{"head_dim": 16}\'')
+    p.set_defaults(func=_cmd_scaffold)
+
+    p = sub.add_parser("coverage", help="per model_type: bundled patchset, verifies, share of parameters patched")
+    p.add_argument("model_types", nargs="*", help="only these types (default: every type transformers knows)")
+    p.add_argument("--out", help="write the Markdown table here (docs/coverage.md); default: stdout")
+    p.add_argument("--no-verify", action="store_true", help="skip running verify (fast)")
+    p.set_defaults(func=_cmd_coverage)
+
+    p = sub.add_parser("demo", help="patch a small Qwen3 on this device; compare numbers and time")
+    p.add_argument("--patchset", default="qwen3")
+    p.add_argument("--steps", type=int, default=3, help="timed forward+backward repeats")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("kernels", help="list registered kernel providers")
+    p.set_defaults(func=_cmd_kernels)
+
+    p = sub.add_parser("bench", help="benchmark patched vs eager, write JSON + PNG (patch-engine bench --help)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of engine.commands.bench")
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """verify's options for a user's checkpoint instead of a tiny model (docs/verification.md)."""
+    p.add_argument("--model", metavar="PATH", help="verify on this checkpoint: a from_pretrained folder")
+    p.add_argument("--gguf", metavar="FILE", help="verify on this checkpoint: a .gguf file (needs the gguf package)")
+    p.add_argument("--text", metavar="FILE", help="text to run (default: a bundled English text)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens of the text to use (default: 512)")
+    p.add_argument("--mode", choices=("training", "inference"), help="how the model runs (default: inference)")
+    p.add_argument("--fused-cross-entropy", action="store_true", help="also fuse the LM head and loss")
+    p.add_argument("--sample", action="store_true",
+                   help="check the first, middle and last module of each patched class (big models)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the checkpoint")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["bench"]:  # its own parser (engine.commands.bench), options passed through untouched
+        return _cmd_bench(argparse.Namespace(bench_args=args_list[1:]))
+    parser = _parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    try:
+        return int(args.func(args))
+    except (InvalidArgument, DeviceNotAvailable) as exc:  # the command line asked for something that is not there
+        _report_error(args, exc, "usage error")
+        return EXIT_USAGE
+    except PatchError as exc:
+        _report_error(args, exc, "error")
+        return EXIT_FAILED
+    except ValueError as exc:  # bad argument values (e.g. unknown device or model type)
+        _report_error(args, exc, "usage error")
+        return EXIT_USAGE
+
+
+def _report_error(args: argparse.Namespace, exc: Exception, kind: str) -> None:
+    print(f"{kind}: {exc}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, **_error_dict(exc)}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Human- and machine-readable accounts of what a plan decided and what apply did."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.planning.planner import Decision, Plan
+
+__all__ = ["Report", "format_decisions", "format_table", "from_files"]
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """An aligned plain-text table."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def from_files(files: Sequence[str]) -> str:
+    """`` from /abs/qwen3.yaml`` (and `` (extends /abs/base.yaml)``); ``""`` for an in-memory patchset."""
+    if not files:
+        return ""
+    text = f" from {files[0]}"
+    if len(files) > 1:
+        text += f" (extends {', '.join(files[1:])})"
+    return text
+
+
+def _grouped(decisions: Iterable[Decision], with_sub_model: bool) -> list[tuple[Any, ...]]:
+    groups: dict[tuple[str, ...], int] = {}
+    for d in decisions:
+        # functions read as `modeling_qwen3.apply_rotary_pos_emb`, not the whole dotted module path
+        target = d.cls if d.cls != "function" else ".".join(d.path.rsplit(".", 2)[-2:])
+        key = ((d.sub_model or "-",) if with_sub_model else ()) + (target, d.op, d.kernel or "-", d.action, d.reason)
+        groups[key] = groups.get(key, 0) + 1
+    return [(*key[:-1], n, key[-1]) for key, n in groups.items()]
+
+
+def _has_sub_models(decisions: Sequence[Decision]) -> bool:
+    """Show the sub-model column only for composite models (more than one sub-model involved)."""
+    return len({d.sub_model for d in decisions} - {"", "<root>"}) > 1
+
+
+def format_decisions(decisions: Iterable[Decision], *, detail: bool = False) -> str:
+    decisions = list(decisions)
+    sub = _has_sub_models(decisions)
+    first = ("sub-model",) if sub else ()
+    if detail:
+        return format_table(
+            (*first, "module", "class", "op", "kernel", "decision", "why"),
+            (((d.sub_model or "-",) if sub else ()) + (d.path, d.cls, d.op, d.kernel or "-", d.action, d.reason)
+             for d in decisions),
+        )
+    return format_table((*first, "target", "op", "kernel", "decision", "modules", "why"), _grouped(decisions, sub))
+
+
+@dataclass
+class Report:
+    """What apply did: per module, the op, the kernel and why; what was skipped and why."""
+
+    patchset: str
+    model_type: str
+    device: str
+    mode: str
+    decisions: tuple[Decision, ...]
+    verification: Any = field(default=None)
+    #: The files the patchset was read from, as absolute paths (its own first, then ``extends``
+    #: bases); empty for a patchset given as a dict or built in Python.
+    files: tuple[str, ...] = ()
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Report:
+        return cls(
+            plan.patchset.name, plan.model_type, plan.device.value, plan.mode, plan.decisions,
+            files=plan.patchset.files,
+        )
+
+    @property
+    def file(self) -> str | None:
+        """The patchset file actually applied (absolute), so a local copy and the bundled one are told apart."""
+        return self.files[0] if self.files else None
+
+    @property
+    def patched(self) -> list[str]:
+        return [d.path for d in self.decisions if d.action == "patch"]
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        return [(d.path, d.reason) for d in self.decisions if d.action == "skip"]
+
+    @property
+    def compile_disabled(self) -> list[str]:
+        """Patched paths whose kernel is not torch.compile-safe, so it runs eagerly (a graph break)."""
+        return [
+            d.path
+            for d in self.decisions
+            if d.action == "patch" and d.provider is not None and not d.provider.compile_safe
+        ]
+
+    @property
+    def fullgraph_blocker(self) -> str | None:
+        """Why ``torch.compile(fullgraph=True)`` cannot hold the patched model, or None when it can.
+
+        A kernel that is not compile-safe runs eagerly between graphs, which ``fullgraph=True``
+        forbids; apply then sets ``_can_compile_fullgraph = False`` on the model's instances
+        (transformers' flag), and revert restores it.
+        """
+        kernels = sorted({d.kernel or "-" for d in self.decisions if d.path in self.compile_disabled})
+        if not kernels:
+            return None
+        return (f"kernels {', '.join(kernels)} are not torch.compile-safe and run eagerly between graphs, so "
+                "fullgraph=True cannot compile this model: its _can_compile_fullgraph is False until revert")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "patchset": self.patchset,
+            "file": self.file,
+            "files": list(self.files),
+            "model_type": self.model_type,
+            "device": self.device,
+            "mode": self.mode,
+            "decisions": [
+                {"path": d.path, "class": d.cls, "op": d.op, "kernel": d.kernel, "action": d.action, "reason": d.reason,
+                 "sub_model": d.sub_model}
+                for d in self.decisions
+            ],
+            "compile_disabled": self.compile_disabled,
+            "fullgraph_blocker": self.fullgraph_blocker,
+        }
+
+    def table(self, *, detail: bool = False) -> str:
+        return format_decisions(self.decisions, detail=detail)
+
+    def __str__(self) -> str:
+        n = len(self.patched)
+        head = (
+            f"patchset {self.patchset!r}{from_files(self.files)} on {self.model_type} ({self.device}, {self.mode}): "
+            f"{n} patched, {len(self.skipped)} skipped"
+        )
+        text = head + "\n" + self.table()
+        eager = self.compile_disabled
+        if eager:
+            text += (
+                f"\nnot compile-safe, run outside torch.compile graphs (graph break): {len(eager)} "
+                f"({', '.join(sorted({d.kernel or '-' for d in self.decisions if d.path in eager}))}); "
+                "torch.compile(fullgraph=True) cannot hold it (_can_compile_fullgraph is False until revert)"
+            )
+        return text

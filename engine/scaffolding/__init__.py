@@ -1,0 +1,398 @@
+"""Scaffold: find a family's declarations by measurement, and write them as a patchset.
+
+Why: writing a patchset by reading the modeling file is how the anchors got a norm's
+parameterization wrong for months. The scaffold builds (or takes) a tiny perturbed model,
+captures the real inputs of every module and of every module-level function its forwards
+call, and runs every declaration every op offers for it (:meth:`ModuleOp.candidates`,
+:meth:`FunctionOp.candidates`) against the original, in fp32 *and* bf16 (fp32 alone cannot
+tell two cast orders apart). A declaration is kept only when it is bit-exact on every
+instance in both dtypes and no other declaration is; a tie is reported, never resolved by
+guessing. What no op computes is listed, with the closest miss.
+
+Every class counts, wherever its code lives: transformers' own, a ``trust_remote_code``
+checkpoint's (``transformers_modules.*``), a user's module or ``torch.nn``. Each one that
+looks like a norm, MLP, rope or LM head by its name, or that some op could replace, gets a
+measured declaration or a ``# not patched`` line saying why; nothing is dropped silently.
+
+``engine.scaffold(model_or_type)`` returns a :class:`Scaffold`; ``str(scaffold)`` (or
+:meth:`Scaffold.to_yaml`) is the patchset text; ``patch-engine scaffold MODEL_TYPE`` (or
+``--model FOLDER``, see :mod:`engine.scaffolding.source`) prints it (``--out PATH`` writes it).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import PatchError
+from engine.ops.base import FunctionOp, ModuleOp, all_ops
+from engine.runtime.hub_functions import torch_body, torch_path
+from engine.scaffolding.capture import capture
+from engine.verification.compare import cast_floats, compare
+
+__all__ = ["Finding", "Measurement", "Scaffold", "scaffold"]
+
+#: The dtypes every declaration is measured in: fp32, and bf16 where cast orders differ.
+DTYPES = (torch.float32, torch.bfloat16)
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+#: Modules worth a "not patched" line when no op matches them, by the kind their name says.
+MODULE_KINDS: dict[str, re.Pattern[str]] = {
+    "norm": re.compile(r"Norm"),
+    "mlp": re.compile(r"(MLP|Mlp|FeedForward|FFN|GLU|Glu|Experts?|MoeBlock|MoE|Moe)$"),
+    "rope": re.compile(r"Rotary|Rope|RoPE"),
+    "head": re.compile(r"ForCausalLM$|LMHead|LmHead"),
+}
+FUNCTION_KINDS = re.compile(r"rotary|rope|delta|kda|linear_attn|linear_attention|scan")
+
+
+def module_kind(name: str) -> str | None:
+    """``"norm"``, ``"mlp"``, ``"rope"`` or ``"head"`` when a class name says so, else ``None``."""
+    return next((kind for kind, pattern in MODULE_KINDS.items() if pattern.search(name)), None)
+
+
+@dataclass
+class Measurement:
+    """One declaration measured against the original: worst max-abs error per dtype."""
+
+    patch: Any
+    errors: dict[str, float] = field(default_factory=dict)
+    problem: str | None = None  # refused by the op's checks, or raised while running
+
+    @property
+    def exact(self) -> bool:
+        return self.problem is None and len(self.errors) == len(DTYPES) and all(e == 0.0 for e in self.errors.values())
+
+
+@dataclass
+class Finding:
+    """A candidate module class or function, and every declaration tried on it."""
+
+    kind: str  # "module" or "function"
+    name: str  # class name, or function name
+    instances: int  # modules of the class (or call sites of the function) measured
+    origin: str = ""  # the Python module the class (or function) is defined in
+    measurements: list[Measurement] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (op, why) for ops whose checks said no
+    opt_in: list[str] = field(default_factory=list)  # opt-in ops that fit (reported, never written)
+    note: str = ""  # why nothing could be measured (never called, ...)
+
+    @property
+    def exact(self) -> list[Measurement]:
+        return [m for m in self.measurements if m.exact]
+
+    @property
+    def chosen(self) -> Measurement | None:
+        """The one exact declaration; ``None`` when none is exact or several tie."""
+        exact = self.exact
+        return exact[0] if len(exact) == 1 else None
+
+
+@dataclass
+class Scaffold:
+    """What the scaffold found for one model: a patchset's worth of findings."""
+
+    model_type: str
+    model_class: str
+    #: The ``tiny_model.config`` that rebuilds the measured model from its ``model_type``;
+    #: ``None`` when transformers cannot build it from the type (its code is not transformers').
+    tiny_config: dict[str, Any] | None
+    findings: list[Finding]
+    #: The command (or call) that produced it, for the file's header.
+    source: str = ""
+    #: Where the classes and functions not from transformers came from (``{name: module}``).
+    foreign: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def patches(self) -> list[Any]:
+        return [f.chosen.patch for f in self.findings if f.chosen is not None]
+
+    def to_yaml(self) -> str:
+        from engine.scaffolding.rendering import render
+
+        return render(self)
+
+    def __str__(self) -> str:
+        return self.to_yaml()
+
+
+def scaffold(
+    model_or_type: nn.Module | str | os.PathLike[str],
+    *,
+    config: dict[str, Any] | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    weights: bool = False,
+) -> Scaffold:
+    """Measure every declaration of every op on a tiny model of a family (see the module docstring).
+
+    Args:
+        model_or_type: a ``model_type`` (a tiny perturbed model is built from its config
+            class's defaults, shrunk by :func:`engine.tiny.config.derive_tiny_config`); a
+            local checkpoint folder (a ``Path``, or a string naming an existing folder that
+            is no model type; see :func:`engine.scaffolding.source.model_from_folder`); or a
+            model, measured as it is (on a deep copy; it should be small and its weights
+            away from their init values), whatever module its classes come from.
+        config: keys of the tiny config that override the derived ones (also written into
+            the patchset's ``tiny_model`` block).
+        trust_remote_code: for a folder whose ``config.json`` maps its own code (``auto_map``):
+            run that code (read it first). Without it such a folder is refused.
+        weights: for a folder: measure the checkpoint as saved (``from_pretrained``) instead
+            of a tiny perturbed model built from its config (small checkpoints only).
+
+    Example:
+        >>> print(engine.scaffold(Path("my-checkpoint"), trust_remote_code=True))  # doctest: +SKIP
+    """
+    from engine.scaffolding.source import is_folder, model_from_folder, transformers_code
+    from engine.tiny import build_tiny_model
+    from engine.tiny.config import derive_tiny_config
+
+    tiny: dict[str, Any] | None
+    if is_folder(model_or_type):
+        folder = os.fspath(model_or_type)  # type: ignore[arg-type]
+        model, tiny = model_from_folder(
+            folder, trust_remote_code=trust_remote_code, weights=weights, config=config, seed=seed
+        )
+        model_type = str(model.config.model_type)
+        flags = (" --trust-remote-code" if trust_remote_code else "") + (" --weights" if weights else "")
+        source = f"patch-engine scaffold --model {folder}{flags}"
+    elif isinstance(model_or_type, str):
+        model_type = model_or_type
+        tiny = {**derive_tiny_config(model_type), **(config or {})}
+        _require_causal_lm(model_type)
+        try:
+            model = build_tiny_model(model_type, tiny, seed=seed)
+        except Exception as exc:  # noqa: BLE001  (any config or build failure: say which keys to pass)
+            raise ValueError(
+                f"could not build a tiny {model_type} model from the derived config {tiny}: {exc}. "
+                "Pass the missing keys: engine.scaffold(model_type, config={...})"
+            ) from exc
+        source = f"patch-engine scaffold {model_type}"
+    else:
+        from engine.runtime.wrappers import unwrap
+
+        model = copy.deepcopy(unwrap(model_or_type)).float()  # a PeftModel: the transformers model inside
+        model_type = str(model.config.model_type)
+        # the tiny_model block rebuilds the model only where transformers has all its code
+        tiny = {**derive_tiny_config(model_type), **(config or {})} if transformers_code(model) else None
+        source = f"engine.scaffold(<a {type(model).__name__}>)"
+    # Training mode, as fine-tuning runs it and as verification checks it: a forward that
+    # applies dropout (seed_oss's MLP) is then not reproducible, so nothing is declared for it.
+    model.train()
+    modules, functions = capture(model)
+    with torch_path(model):  # a module's own forward may call functions bound to a package (fla on a CPU)
+        findings = [*_module_findings(model, _Originals(modules)), *_function_findings(functions)]
+    _explain_rope_modules(findings)
+    foreign = {f.name: f.origin for f in findings if f.origin and not f.origin.startswith(("transformers.", "torch."))}
+    return Scaffold(
+        model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings,
+        source=source, foreign=foreign,
+    )
+
+
+def _explain_rope_modules(findings: list[Finding]) -> None:
+    """Say, on an unpatched rotary-embedding module, where its tables are applied (or that nothing can be)."""
+    applied = [f.name for f in findings if f.kind == "function" and FUNCTION_KINDS.search(f.name)]
+    for f in findings:
+        if f.kind != "module" or module_kind(f.name) != "rope" or f.measurements or f.note:
+            continue
+        if applied:
+            names = list(dict.fromkeys(applied))
+            f.note = (f"no op replaces the module that computes the rotary tables; the rope op patches the "
+                      f"function that applies them ({', '.join(names)}, see {'its line' if len(names) == 1 else 'their lines'})")
+        else:
+            f.note = ("no op replaces the module that computes the rotary tables, and no module-level function "
+                      "the forwards call applies them (rope written inline in a forward cannot be patched: "
+                      "move it into a function such as apply_rotary_pos_emb)")
+
+
+def _require_causal_lm(model_type: str) -> None:
+    """Refuse a type ``AutoModelForCausalLM`` cannot build, saying what to do instead."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"model type {model_type!r} has no causal-LM class in transformers (AutoModelForCausalLM does not "
+            "map it: a text config of a composite model, an encoder, ...); build a small model of it yourself "
+            "and pass it: engine.scaffold(model)"
+        )
+
+
+# ---------------------------------------------------------------------------------------- modules
+
+
+class _Originals:
+    """Each called module's copy per dtype, its inputs in that dtype and its own output (computed once)."""
+
+    def __init__(self, captured: dict[str, Any]):
+        self.captured = captured
+        self._cache: dict[tuple[str, torch.dtype], tuple[nn.Module, Any, Any, Any]] = {}
+
+    def __contains__(self, path: str) -> bool:
+        return path in self.captured
+
+    def is_random(self, path: str, module: nn.Module) -> bool:
+        """Whether the module's forward gives another result on the same input (dropout in training)."""
+        clone, args, kwargs, expected = self.get(path, module, torch.float32)
+        with torch.no_grad():
+            again = type(clone).forward(clone, *args, **kwargs)
+        return _error(again, expected) != 0.0
+
+    def get(
+        self, path: str, module: nn.Module, dtype: torch.dtype, op: ModuleOp | None = None
+    ) -> tuple[nn.Module, Any, Any, Any]:
+        """The copy, inputs and original output; ``op`` names the forward path it is judged against
+        (:meth:`ModuleOp.ground_truth`: experts modules dispatch on the config)."""
+        truth = op.ground_truth(module) if op is not None else type(module).forward
+        key = (path, dtype, truth)
+        if key not in self._cache:
+            args, kwargs = self.captured[path]
+            clone = copy.deepcopy(module).to(dtype)
+            args, kwargs = cast_floats(args, dtype), cast_floats(kwargs, dtype)
+            with torch.no_grad():
+                expected = truth(clone, *args, **kwargs)
+            self._cache[key] = (clone, args, kwargs, expected)
+        return self._cache[key]
+
+
+def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Finding]:
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+    for path, module in model.named_modules():
+        by_class.setdefault(type(module), []).append((path, module))
+    module_ops = [op for op in all_ops().values() if isinstance(op, ModuleOp)]
+    for cls, members in by_class.items():
+        called = [(p, m) for p, m in members if p in originals]
+        finding = Finding("module", cls.__name__, len(called), origin=cls.__module__)
+        for op in module_ops:
+            candidates = list(op.candidates(members[0][1]))
+            if not candidates:
+                continue
+            if op.opt_in:
+                _check_opt_in(op, candidates, members, finding)
+                continue
+            mine = [_measure_module(op, patch, members, called, originals) for patch in candidates]
+            # a declaration that cannot run, or returns another shape or dtype, does not apply
+            applicable = [m for m in mine if m.problem is None and all(e < float("inf") for e in m.errors.values())]
+            if applicable:
+                finding.measurements.extend(applicable)
+            else:
+                finding.refused.append((op.name, min((m.problem or "output shape or dtype differs" for m in mine), key=len)))
+        if finding.measurements and not finding.exact and called and originals.is_random(*called[0]):
+            finding.note = "its own forward is random in training mode (dropout?), so no declaration can match"
+        kind = module_kind(cls.__name__)
+        if kind == "norm" and not finding.measurements and not finding.refused:
+            finding.note = _no_norm_candidates(members[0][1])
+        # whatever its module (transformers, remote code, a user's, torch.nn): refusals alone are
+        # worth a line only for what looks like a norm, MLP, experts, rope or LM head
+        if finding.measurements or finding.opt_in or kind is not None:
+            yield finding
+
+
+def _no_norm_candidates(module: nn.Module) -> str:
+    """Why no norm declaration could even be tried on a norm-named module."""
+    from engine.ops.base import norm_parameter_names
+
+    weights, eps = norm_parameter_names(module)
+    return (
+        "no norm declaration can be tried: rms_norm and layer_norm need a 1-d weight parameter and a float eps "
+        f"attribute (found weights {weights or 'none'}, eps attributes {eps or 'none'}; an eps written as a "
+        "literal inside forward cannot be declared: store it on the module)"
+    )
+
+
+def _check_opt_in(op: ModuleOp, candidates: list[Any], members: list[tuple[str, nn.Module]], finding: Finding) -> None:
+    for patch in candidates:
+        try:
+            for _, module in members:
+                op.check_target(module, patch)
+        except PatchError as exc:
+            finding.refused.append((op.name, str(exc)))
+        else:
+            finding.opt_in.append(op.name)
+            return
+
+
+def _measure_module(
+    op: ModuleOp, patch: Any, members: list[tuple[str, nn.Module]], called: list[tuple[str, nn.Module]],
+    originals: _Originals,
+) -> Measurement:
+    result = Measurement(patch)
+    try:
+        for _, module in members:
+            op.check_target(module, patch)
+    except PatchError as exc:
+        result.problem = str(exc)
+        return result
+    if not called:
+        result.problem = "never called in the probe forward"
+        return result
+    reference = op.reference(patch)
+    for dtype in DTYPES:
+        worst = 0.0
+        for path, module in called:
+            try:
+                clone, args, kwargs, expected = originals.get(path, module, dtype, op)
+                with torch.no_grad():
+                    got = op.bind(clone, patch, reference)(clone, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (a declaration that cannot run is no match)
+                result.problem = f"{type(exc).__name__}: {exc}"
+                return result
+            worst = max(worst, _error(got, expected))
+        result.errors[_DTYPE_NAMES[dtype]] = worst
+    return result
+
+
+def _error(got: Any, expected: Any) -> float:
+    """Max abs error; ``inf`` where shapes or dtypes differ (never exact then)."""
+    max_abs, _, ok = compare(got, expected)
+    return max_abs if ok or max_abs else float("inf")
+
+
+# ---------------------------------------------------------------------------------------- functions
+
+
+def _function_findings(captured: dict[tuple[str, str], Any]) -> Iterator[Finding]:
+    function_ops = [op for op in all_ops().values() if isinstance(op, FunctionOp)]
+    names: dict[str, list[tuple[Any, Any]]] = {}
+    origins: dict[str, str] = {}
+    for (namespace, name), (function, inputs) in captured.items():
+        names.setdefault(name, []).append((function, inputs))
+        origins.setdefault(name, str(getattr(torch_body(function), "__module__", "") or namespace))
+    for name, sites in names.items():
+        called = [(f, inputs) for f, inputs in sites if inputs is not None]
+        finding = Finding("function", name, len(called), origin=origins[name])
+        for op in function_ops:
+            for patch in op.candidates(name, torch_body(sites[0][0])):
+                finding.measurements.append(_measure_function(op, patch, called))
+        if finding.measurements and not called:
+            finding.note = "never called in the probe forward or a decode step"
+        if finding.measurements or FUNCTION_KINDS.search(name):
+            yield finding
+
+
+def _measure_function(op: FunctionOp, patch: Any, called: list[tuple[Any, Any]]) -> Measurement:
+    result = Measurement(patch)
+    if not called:
+        result.problem = "never called in the probe forward or a decode step"
+        return result
+    reference = op.reference(patch)
+    for dtype in DTYPES:
+        worst = 0.0
+        for function, (args, kwargs) in called:
+            a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
+            try:
+                with torch.no_grad():
+                    expected = torch_body(function)(*a, **k)
+                    got = reference(*a, **k)
+            except Exception as exc:  # noqa: BLE001
+                result.problem = f"{type(exc).__name__}: {exc}"
+                return result
+            worst = max(worst, _error(got, expected))
+        result.errors[_DTYPE_NAMES[dtype]] = worst
+    return result

@@ -1,0 +1,328 @@
+"""Tiny transformers models built from a config alone, with weights perturbed away from init.
+
+Why perturb: a fresh norm weight is all ones (or all zeros for ``1 + w`` norms), where
+``w`` and ``1 + w`` or two cast orders can coincide; a test on fresh weights proves little.
+Every parameter is moved by a random amount *away* from its init value (never landing on
+exactly 0 or 1), so norm weights end up around 1 for ``weight`` norms and around 0 for
+``one_plus_weight`` norms, as in trained models.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import InvalidArgument, PatchsetError
+from engine.runtime.release import bundled_covering, check_release
+
+__all__ = [
+    "build_tiny_for",
+    "build_tiny_model",
+    "check_tiny_config",
+    "image_features",
+    "is_composite",
+    "perturb_",
+    "tiny_config_kwargs",
+    "tiny_vision_inputs",
+    "vision_only_inputs",
+]
+
+#: Config keys that count or size something: a tiny model needs them positive.
+_POSITIVE = re.compile(r"^num_\w*(layers|heads|experts)$|_size$|_dim$|^max_position_embeddings$")
+#: Counts of optional parts, where 0 means none (the scaffold writes 0 multi-token-prediction layers).
+_MAY_BE_ZERO = {"num_nextn_predict_layers"}
+
+#: Keyword arguments every tiny model starts from; a patchset's ``tiny_model.config`` adds to them.
+BASE_KWARGS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+}
+
+
+def tiny_config_kwargs(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**BASE_KWARGS, **(overrides or {})}
+
+
+def perturb_(model: nn.Module, *, seed: int = 0, scale: float = 0.2) -> nn.Module:
+    """Move every floating parameter away from its value by ``+-[scale/4, scale]`` (in place)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_floating_point():
+                continue
+            magnitude = torch.empty(p.shape).uniform_(scale / 4, scale, generator=gen)
+            sign = torch.randint(0, 2, p.shape, generator=gen) * 2 - 1
+            p.add_((magnitude * sign).to(p.dtype))
+    return model
+
+
+def _composite_kwargs(config_class: type, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of a composite config: the tiny base sizes go to ``text_config``.
+
+    Why: a composite model (Qwen2-VL, LLaVA, PaliGemma, Gemma 3, ...) takes its language
+    model's sizes under ``text_config`` and its vision tower's under ``vision_config``; the
+    base sizes are for a language model, so they apply to ``text_config`` only, and a
+    patchset's ``tiny_model.config`` gives the vision tower's sizes itself.
+    """
+    kwargs = dict(overrides)
+    kwargs["text_config"] = tiny_config_kwargs(overrides.get("text_config"))
+    return kwargs
+
+
+def is_composite(config_class: type) -> bool:
+    """Whether configs of this class hold a ``text_config`` (a multimodal composite model)."""
+    return "text_config" in (getattr(config_class, "sub_configs", None) or {})
+
+
+def _transformers_classes(model_type: str, composite: bool) -> tuple[Any, Any]:
+    """transformers' own config and model classes for ``model_type``.
+
+    Why not the Auto classes: a package may register its own model under a transformers model
+    type (flash-linear-attention registers its Mamba2 as ``mamba2`` when imported), and the
+    Auto mappings then build that one. The static name tables name transformers' classes.
+    """
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    config_name = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
+    # a text sub-model type without a causal LM class (qwen2_vl_text): its base model, no LM head
+    tables = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES]
+    if composite:
+        tables.insert(0, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    model_name = next((t[model_type] for t in tables if model_type in t), None)
+    config_cls = getattr(transformers, config_name, None) if config_name else None
+    model_cls = getattr(transformers, model_name, None) if isinstance(model_name, str) else None
+    if model_cls is None and config_cls is not None:
+        model_cls = _causal_lm_of_config(config_cls)
+    if config_cls is None or model_cls is None:  # a type registered from outside transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoConfig.for_model(model_type).__class__, AutoModelForCausalLM
+    return config_cls, model_cls
+
+
+def _causal_lm_of_config(config_cls: type) -> Any:
+    """The ``*ForCausalLM`` class of ``config_cls``'s own modeling module that takes it, or None.
+
+    Why: some text sub-model types are in no Auto table (``mllama_text_model``), yet their
+    package has a causal LM for exactly that config (``MllamaForCausalLM``).
+    """
+    import importlib
+
+    module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    return next((c for n, c in vars(module).items() if n.endswith("ForCausalLM") and isinstance(c, type)
+                 and getattr(c, "config_class", None) is config_cls), None)
+
+
+def build_tiny_model(
+    model_type: str,
+    config: dict[str, Any] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    perturb: bool = True,
+    attn_implementation: str | None = "eager",
+) -> nn.Module:
+    """A causal LM of ``model_type`` with the tiny base sizes plus ``config`` overrides.
+
+    A type with no causal LM class in transformers (a text sub-model such as ``qwen2_vl_text``)
+    gets its base model (``Qwen2VLTextModel``: hidden states out, no LM head).
+
+    For a composite (multimodal) type the whole model is built (language model and vision
+    tower): the base sizes go to ``text_config``, and ``config`` may give ``text_config`` and
+    ``vision_config`` dicts.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    torch.manual_seed(seed)
+    composite = is_composite(CONFIG_MAPPING[model_type])
+    config_cls, model_cls = _transformers_classes(model_type, composite)
+    kwargs = _composite_kwargs(config_cls, config or {}) if composite else tiny_config_kwargs(config)
+    cfg = config_cls(**kwargs)
+    if attn_implementation is not None:
+        cfg._attn_implementation = attn_implementation
+        for name in getattr(type(cfg), "sub_configs", None) or {}:
+            sub = getattr(cfg, name, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                sub._attn_implementation = attn_implementation
+    model = model_cls._from_config(cfg) if hasattr(model_cls, "_from_config") else model_cls.from_config(cfg)
+    if perturb:
+        perturb_(model, seed=seed)
+    return model.to(dtype)
+
+
+def _patchset_file(patchset: Any) -> str | None:
+    """The file a patchset was loaded from, when it came from exactly one."""
+    files = {origin[0] for origin in getattr(patchset, "_origins", {}).values() if origin[0]}
+    return files.pop() if len(files) == 1 else None
+
+
+def check_tiny_config(model_type: str, config: dict[str, Any], *, file: str | None = None) -> None:
+    """Refuse a ``tiny_model`` that cannot build a model, before transformers fails with a traceback.
+
+    Checks the model type exists, every value has the type of the config's default (an int
+    where transformers expects an int), and counts and sizes are positive. Raises
+    :class:`PatchsetError` keyed ``tiny_model.config.<key>``, or :class:`InvalidArgument` for
+    an unknown model type (:class:`VersionMismatch` when a bundled patchset covers it on other releases).
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if model_type not in CONFIG_MAPPING:
+        import difflib
+
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise bundled_covering(model_type) or InvalidArgument(
+            f"unknown model type {model_type!r} (not a transformers config model_type){hint}"
+        )
+    defaults = AutoConfig.for_model(model_type)
+    for key, value in config.items():
+        where = f"tiny_model.config.{key}"
+        try:
+            default = getattr(defaults, key, None)
+        except Exception:  # a per-layer attribute (Gemma 4's head_dim) refuses global reads: no default to check
+            default = None
+        kinds = (bool,) if isinstance(default, bool) else (int,) if isinstance(default, int) else (
+            (int, float) if isinstance(default, float) else None
+        )
+        if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
+            expected = " or ".join(k.__name__ for k in kinds)
+            raise PatchsetError(
+                f"{value!r} is a {type(value).__name__}, but {model_type} configs take an {expected} here "
+                f"(default {default!r}); write it without quotes", file=file, key=where,
+            )
+        if isinstance(value, int) and not isinstance(value, bool) and _POSITIVE.search(key) and value <= 0 and not (
+            value == 0 and key in _MAY_BE_ZERO
+        ):
+            raise PatchsetError(
+                f"{value} is not a valid size: {key} counts or sizes part of the model and must be a positive "
+                f"integer (a tiny model uses e.g. {BASE_KWARGS.get(key, 2)})", file=file, key=where,
+            )
+
+
+def build_tiny_for(
+    patchset: Any, model_type: str | None = None, *, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> nn.Module:
+    """The tiny model a patchset's ``tiny_model`` declares; a bad declaration is a :class:`PatchsetError`.
+
+    Why: ``patch-engine verify mine.yaml`` with ``head_dim: 0`` used to end in a
+    ZeroDivisionError traceback from inside transformers; now it names the key and the fix.
+    """
+    tiny = patchset.tiny_model
+    mt = model_type or (tiny.model_type if tiny and tiny.model_type else patchset.model_types[0])
+    check_release(patchset, mt)  # the version refusal comes before anything is built
+    config = dict(tiny.config) if tiny else {}
+    file = _patchset_file(patchset)
+    check_tiny_config(mt, config, file=file)
+    try:
+        model = build_tiny_model(mt, config, dtype=dtype, seed=seed)
+        from engine.runtime.hub_functions import torch_path
+
+        smoke = vision_only_inputs(model, batch=1) or {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+        with torch.no_grad(), torch_path(model):  # values that build but do not fit (heads vs kv heads) fail here
+            model(**smoke)
+    except Exception as exc:  # whatever transformers' config, model __init__ or forward raises for these values
+        raise PatchsetError(
+            f"building a tiny {mt} model from it failed: {type(exc).__name__}: {str(exc).strip()}. "
+            f"Fix the values (keyword arguments of AutoConfig.for_model({mt!r}))", file=file, key="tiny_model.config",
+        ) from exc
+    return model
+
+
+def vision_only_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor] | None:
+    """Random images for a vision-only model (``forward(pixel_values, ...)``, no ``input_ids``), else None.
+
+    Why: a vision tower on its own (PixtralVisionModel) takes no token ids; its images are
+    ``(batch, num_channels, image_size, image_size)`` read off its config, with ``image_sizes``
+    (every image full size) where its forward takes them. Two images exercise how the model
+    joins several images (Pixtral: one sequence with a block-diagonal attention mask).
+    """
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" in params or "pixel_values" not in params:
+        return None
+    config = model.config
+    size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+    channels = int(getattr(config, "num_channels", 3))
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    pixels = torch.randn(batch, channels, size, size, generator=gen).to(device, next(model.parameters()).dtype)
+    inputs = {"pixel_values": pixels}
+    if "image_sizes" in params:
+        inputs["image_sizes"] = torch.tensor([[size, size]] * batch, device=device)
+    return inputs
+
+
+def tiny_vision_inputs(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Tensor] | None:
+    """Random pixel inputs for a composite model's ``get_image_features``, or None without a vision tower.
+
+    Two conventions exist, read off ``vision_config``: Qwen-VL towers take flattened patches
+    ``(patches, channels * temporal_patch_size * patch_size**2)`` with ``image_grid_thw``
+    (one image of 2 x 2 merged patches here); the others (SigLIP, CLIP, InternViT) take
+    ``(1, channels, image_size, image_size)``, tiled ones (mllama: ``max_num_tiles``) one
+    image of one tile with its aspect-ratio inputs. A tower of none of these kinds gets None.
+    """
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is None:
+        return None
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    if hasattr(vision, "temporal_patch_size"):
+        merge = int(getattr(vision, "spatial_merge_size", 1))
+        channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
+        side = 2 * merge
+        width = channels * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        pixels = torch.randn(side * side, width, generator=gen)
+        return {"pixel_values": pixels.to(dtype), "image_grid_thw": torch.tensor([[1, side, side]])}
+    image_size = getattr(vision, "image_size", None)
+    if image_size is None:  # a tower that takes other inputs (e.g. patches with 2-D position ids)
+        return None
+    size = image_size if isinstance(image_size, int) else image_size[0]
+    channels = int(getattr(vision, "num_channels", 3))
+    tiles = getattr(vision, "max_num_tiles", None)
+    if isinstance(tiles, int):  # tiled images (mllama): one image of one tile, aspect ratio 1x1
+        pixels = torch.randn(1, 1, tiles, channels, size, size, generator=gen).to(dtype)
+        mask = torch.zeros(1, 1, tiles, dtype=torch.long)
+        mask[..., 0] = 1
+        return {"pixel_values": pixels, "aspect_ratio_ids": torch.ones(1, 1, dtype=torch.long),
+                "aspect_ratio_mask": mask}
+    return {"pixel_values": torch.randn(1, channels, size, size, generator=gen).to(dtype)}
+
+
+def image_features(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The vision tower's output for ``inputs`` (from :func:`tiny_vision_inputs`), as one tensor.
+
+    Calls the composite model's own ``get_image_features`` (on the model, or on its inner
+    ``model``), so the tower runs exactly as in a multimodal forward; without one (mllama),
+    its ``vision_model``.
+    """
+    owner = model if hasattr(model, "get_image_features") else getattr(model, "model", model)
+    if hasattr(owner, "get_image_features"):
+        try:
+            out = owner.get_image_features(**inputs)
+        except ValueError:  # images grouped per sample (Idefics3, SmolVLM): (batch, images, C, H, W)
+            pixels = inputs.get("pixel_values")
+            if pixels is None or pixels.dim() != 4:
+                raise
+            out = owner.get_image_features(**{**inputs, "pixel_values": pixels.unsqueeze(1)})
+    else:  # a composite without the helper (mllama): its vision model directly
+        out = owner.vision_model(**inputs)
+    feats = getattr(out, "pooler_output", None)
+    if feats is None:
+        feats = getattr(out, "last_hidden_state", out)
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat([f.reshape(-1) for f in feats])
+    return feats
