@@ -36,6 +36,9 @@ from engine.errors import (
     VerificationFailed,
     VersionMismatch,
 )
+from engine.foundation.moved import install as _install_moved_paths
+
+_install_moved_paths()  # each module path from before the layer packages imports as the module it moved to
 
 if TYPE_CHECKING:
     from engine.api import apply, is_patched, plan, revert, verify

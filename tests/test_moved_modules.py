@@ -1,4 +1,7 @@
-"""Nothing a user wrote breaks when the engine's modules move: a model pickled before the move loads.
+"""Nothing a user wrote breaks when the engine's modules move: old import paths, and a model pickled before.
+
+Every old module path (``engine.foundation.moved.MOVED``) imports as THE SAME module object as its
+new path, with one DeprecationWarning per path and process that names the new path.
 
 ``tests/fixtures/premove_patched_qwen3.pt`` is a tiny patched Qwen3 saved whole (``torch.save(model)``)
 by the engine before its modules moved into layer packages (made by
@@ -9,12 +12,18 @@ and revert exactly.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 
 import engine
+from engine.foundation.moved import MOVED
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "premove_patched_qwen3.pt"
 TOL = 1e-5
@@ -48,3 +57,65 @@ def test_a_model_pickled_before_the_move_loads_patched_and_computes_the_unpatche
     out.loss.backward()
     for name, grad in patched_grads.items():  # the patched backward was the unpatched one's
         assert (grad - dict(model.named_parameters())[name].grad).abs().max().item() <= TOL, name
+
+
+_IMPORT_EVERY_OLD_PATH = """
+import importlib, json, sys, warnings
+import engine
+from engine.foundation.moved import MOVED
+
+out = {}
+for old, new in MOVED.items():
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        importlib.import_module(old)
+    out[old] = {
+        "same": module is importlib.import_module(new) and sys.modules[old] is sys.modules[new],
+        "name": module.__name__, "spec": module.__spec__.name,
+        "first": [(w.category.__name__, str(w.message)) for w in first],
+        "again": len(again),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_every_old_module_path_imports_as_the_same_module_and_warns_once() -> None:
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EVERY_OLD_PATH], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert set(found) == set(MOVED)
+    for old, new in MOVED.items():
+        got = found[old]
+        assert got["same"] and got["name"] == got["spec"] == new, (old, got)
+        moved = [m for c, m in got["first"] if c == "DeprecationWarning" and f"{old} moved to {new}" in m]
+        assert len(moved) == 1, (old, got["first"])
+        assert got["again"] == 0, old
+
+
+def test_old_paths_name_no_file_and_new_paths_exist() -> None:
+    for old, new in MOVED.items():
+        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), old
+        assert any((ROOT / new.replace(".", "/")).with_suffix(s).exists() for s in (".py", "")), new
+
+
+def test_an_old_path_is_the_new_module_for_isinstance_and_monkeypatching(monkeypatch) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import engine.planner as old_planner
+        from engine.planner import Plan
+
+        from engine.planning import planner
+    assert Plan is planner.Plan and old_planner is planner
+    monkeypatch.setattr(old_planner, "resolve_kernel", "patched")
+    assert planner.resolve_kernel == "patched"
+
+
+def test_python_dash_m_runs_a_command_module_by_its_old_path() -> None:
+    done = subprocess.run([sys.executable, "-m", "engine.matrix", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert "render" in done.stdout and "run" in done.stdout
