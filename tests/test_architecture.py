@@ -5,12 +5,13 @@ This file is the source of the rules: :data:`LAYERS` and :data:`RULES` below are
 with the text to paste when they differ). Imports are read with :mod:`ast`, so nothing is
 imported to check them:
 
-* every ``import`` / ``from ... import`` counts, at module level or inside a function, except
-  under ``if TYPE_CHECKING:`` (annotations only, never run);
+* every ``import`` / ``from ... import`` counts, at module level or inside a function; one under
+  ``if TYPE_CHECKING:`` (annotations only, never run) counts for cycles only;
 * layer rules and :data:`RULES` apply to every import, wherever it is written: a deferred
   import still couples the two modules;
-* cycles are judged on every import too (a function-level cycle is a knot even where it does
-  not break at import time), except a module importing its own package: the registry
+* cycles are judged on every import too, annotations included (a function-level or type-only
+  cycle is a knot even where it does not break at import time: put the types in the lower
+  module and the rendering above it), except a module importing its own package: the registry
   importing ``engine.kernels`` to load the bundled providers on first use. (On the tree
   before issue 10 this finds schema <-> kernels.registry and patcher <-> verify.)
 """
@@ -118,6 +119,7 @@ class Import:
     source: str  # importing module
     target: str  # imported module (an engine module, or a third-party top-level package)
     line: int
+    type_only: bool = False  # under ``if TYPE_CHECKING:``: counts for cycles only
 
     @property
     def where(self) -> str:
@@ -146,14 +148,19 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 class _Collector(ast.NodeVisitor):
-    """Every import of one module, at any depth (functions included), except under TYPE_CHECKING."""
+    """Every import of one module, at any depth (functions included); those under TYPE_CHECKING marked."""
 
     def __init__(self, source: str, is_package: bool, known: set[str]):
         self.source, self.is_package, self.known = source, is_package, known
         self.found: list[Import] = []
+        self.type_only = False
 
     def visit_If(self, node: ast.If) -> None:
         if _is_type_checking(node.test):
+            self.type_only = True
+            for child in node.body:
+                self.visit(child)
+            self.type_only = False
             for child in node.orelse:
                 self.visit(child)
         else:
@@ -162,7 +169,7 @@ class _Collector(ast.NodeVisitor):
     def add(self, target: str, node: ast.stmt) -> None:
         if not target.startswith("engine"):
             target = target.split(".")[0]
-        self.found.append(Import(self.source, target, node.lineno))
+        self.found.append(Import(self.source, target, node.lineno, self.type_only))
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -180,13 +187,14 @@ class _Collector(ast.NodeVisitor):
             self.add(candidate if candidate in self.known else base, node)
 
 
-def all_imports() -> list[Import]:
+def all_imports(*, type_only: bool = False) -> list[Import]:
+    """Every import that runs; with ``type_only=True`` those under ``if TYPE_CHECKING:`` too."""
     files = module_files()
     found: list[Import] = []
     for name, path in files.items():
         collector = _Collector(name, path.name == "__init__.py", set(files))
         collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-        found.extend(collector.found)
+        found.extend(imp for imp in collector.found if type_only or not imp.type_only)
     return found
 
 
@@ -289,7 +297,7 @@ def _import_graph() -> dict[str, set[str]]:
     """
     engine_modules = set(module_files())
     edges: dict[str, set[str]] = {}
-    for imp in all_imports():
+    for imp in all_imports(type_only=True):
         if imp.target not in engine_modules:
             continue
         if imp.source.startswith(imp.target + "."):
@@ -300,12 +308,18 @@ def _import_graph() -> dict[str, set[str]]:
 
 def test_no_import_cycles() -> None:
     cycles = _cycles(_import_graph())
-    assert not cycles, f"import cycles (module- or function-level imports): {cycles}"
+    assert not cycles, f"import cycles (module-level, function-level or type-only imports): {cycles}"
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_type_only_import_counts_for_cycles_but_not_for_layers() -> None:
+    collector = _Collector("engine.a", False, {"engine.a", "engine.b"})
+    collector.visit(ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.b import X\n"))
+    assert [(i.target, i.type_only) for i in collector.found] == [("typing", False), ("engine.b", True)]
 
 
 def test_no_module_is_too_long() -> None:

@@ -108,8 +108,8 @@ def test_an_old_path_is_the_new_module_for_isinstance_and_monkeypatching(monkeyp
         import engine.planner as old_planner
         from engine.planner import Plan
 
-        from engine.planning import planner
-    assert Plan is planner.Plan and old_planner is planner
+        from engine.planning import decisions, planner
+    assert Plan is planner.Plan is decisions.Plan and old_planner is planner
     monkeypatch.setattr(old_planner, "resolve_kernel", "patched")
     assert planner.resolve_kernel == "patched"
 

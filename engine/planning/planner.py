@@ -12,8 +12,7 @@ import difflib
 import inspect
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,8 +29,8 @@ from engine.errors import (
     TargetNotFound,
 )
 from engine.foundation.see_through import see_through
-from engine.kernels.registry import KernelProvider
 from engine.ops.base import FunctionOp, ModuleOp, get_op
+from engine.planning.decisions import Decision, FunctionSite, Mode, Plan
 from engine.planning.kernel_choice import resolve_kernel
 from engine.runtime.devices import resolve_device
 from engine.runtime.placements import dtensor_parameter
@@ -39,71 +38,6 @@ from engine.runtime.release import check_release
 from engine.schema import Device, FunctionPatch, ModulePatch, Patchset
 
 __all__ = ["Decision", "FunctionSite", "Mode", "Plan", "plan", "resolve_kernel"]
-
-Mode = Literal["training", "inference"]
-Action = Literal["patch", "skip"]
-
-
-@dataclass(frozen=True)
-class FunctionSite:
-    """Where a function patch takes effect: the namespace the callers resolve the name in."""
-
-    namespace: str  # module name, e.g. transformers.models.qwen3.modeling_qwen3
-    function: str
-    callers: tuple[str, ...]  # module paths whose forward calls the function
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What happens to one module (or one function) under one patch."""
-
-    path: str  # module path in the model, or "<namespace>.<function>"
-    cls: str  # class name, or "function"
-    op: str
-    patch_index: int
-    action: Action
-    kernel: str | None
-    reason: str
-    patch: Any = field(repr=False, compare=False)
-    provider: KernelProvider | None = field(default=None, repr=False, compare=False)
-    site: FunctionSite | None = field(default=None, repr=False, compare=False)
-    #: The nested pretrained model the module sits under (``model.visual``, ``model.language_model``),
-    #: for a function the ones its callers sit under; ``""`` for the root (see engine.runtime.submodels).
-    sub_model: str = ""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The decisions for one model, device and mode. Pure data: applying it is the patcher's job."""
-
-    patchset: Patchset
-    device: Device
-    mode: Mode
-    model_type: str
-    decisions: tuple[Decision, ...]
-
-    @property
-    def patched(self) -> tuple[Decision, ...]:
-        return tuple(d for d in self.decisions if d.action == "patch")
-
-    @property
-    def skipped(self) -> tuple[Decision, ...]:
-        return tuple(d for d in self.decisions if d.action == "skip")
-
-    @property
-    def file(self) -> str | None:
-        """The patchset file planned from (absolute; its ``extends`` bases in ``patchset.files``); None for a dict."""
-        return self.patchset.files[0] if self.patchset.files else None
-
-    def __str__(self) -> str:
-        from engine.planning.report import format_decisions, from_files
-
-        head = (
-            f"plan {self.patchset.name!r}{from_files(self.patchset.files)} "
-            f"for {self.model_type} on {self.device.value} ({self.mode})"
-        )
-        return head + "\n" + format_decisions(self.decisions)
-
 
 def plan(
     model: nn.Module,

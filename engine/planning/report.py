@@ -2,61 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from engine.planning.planner import Decision, Plan
+from engine.planning.decisions import Decision, Plan, format_decisions, format_table, from_files
 
 __all__ = ["Report", "format_decisions", "format_table", "from_files"]
-
-
-def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """An aligned plain-text table."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def from_files(files: Sequence[str]) -> str:
-    """`` from /abs/qwen3.yaml`` (and `` (extends /abs/base.yaml)``); ``""`` for an in-memory patchset."""
-    if not files:
-        return ""
-    text = f" from {files[0]}"
-    if len(files) > 1:
-        text += f" (extends {', '.join(files[1:])})"
-    return text
-
-
-def _grouped(decisions: Iterable[Decision], with_sub_model: bool) -> list[tuple[Any, ...]]:
-    groups: dict[tuple[str, ...], int] = {}
-    for d in decisions:
-        # functions read as `modeling_qwen3.apply_rotary_pos_emb`, not the whole dotted module path
-        target = d.cls if d.cls != "function" else ".".join(d.path.rsplit(".", 2)[-2:])
-        key = ((d.sub_model or "-",) if with_sub_model else ()) + (target, d.op, d.kernel or "-", d.action, d.reason)
-        groups[key] = groups.get(key, 0) + 1
-    return [(*key[:-1], n, key[-1]) for key, n in groups.items()]
-
-
-def _has_sub_models(decisions: Sequence[Decision]) -> bool:
-    """Show the sub-model column only for composite models (more than one sub-model involved)."""
-    return len({d.sub_model for d in decisions} - {"", "<root>"}) > 1
-
-
-def format_decisions(decisions: Iterable[Decision], *, detail: bool = False) -> str:
-    decisions = list(decisions)
-    sub = _has_sub_models(decisions)
-    first = ("sub-model",) if sub else ()
-    if detail:
-        return format_table(
-            (*first, "module", "class", "op", "kernel", "decision", "why"),
-            (((d.sub_model or "-",) if sub else ()) + (d.path, d.cls, d.op, d.kernel or "-", d.action, d.reason)
-             for d in decisions),
-        )
-    return format_table((*first, "target", "op", "kernel", "decision", "modules", "why"), _grouped(decisions, sub))
 
 
 @dataclass

@@ -25,7 +25,6 @@ import copy
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,13 +34,12 @@ from engine.errors import PatchError
 from engine.ops.base import FunctionOp, ModuleOp, all_ops
 from engine.runtime.hub_functions import torch_body, torch_path
 from engine.scaffolding.capture import capture
+from engine.scaffolding.findings import DTYPE_NAMES, DTYPES, Finding, Measurement
+from engine.scaffolding.rendering import Scaffold
 from engine.verification.compare import cast_floats, compare
 
 __all__ = ["Finding", "Measurement", "Scaffold", "scaffold"]
 
-#: The dtypes every declaration is measured in: fp32, and bf16 where cast orders differ.
-DTYPES = (torch.float32, torch.bfloat16)
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 #: Modules worth a "not patched" line when no op matches them, by the kind their name says.
 MODULE_KINDS: dict[str, re.Pattern[str]] = {
     "norm": re.compile(r"Norm"),
@@ -55,71 +53,6 @@ FUNCTION_KINDS = re.compile(r"rotary|rope|delta|kda|linear_attn|linear_attention
 def module_kind(name: str) -> str | None:
     """``"norm"``, ``"mlp"``, ``"rope"`` or ``"head"`` when a class name says so, else ``None``."""
     return next((kind for kind, pattern in MODULE_KINDS.items() if pattern.search(name)), None)
-
-
-@dataclass
-class Measurement:
-    """One declaration measured against the original: worst max-abs error per dtype."""
-
-    patch: Any
-    errors: dict[str, float] = field(default_factory=dict)
-    problem: str | None = None  # refused by the op's checks, or raised while running
-
-    @property
-    def exact(self) -> bool:
-        return self.problem is None and len(self.errors) == len(DTYPES) and all(e == 0.0 for e in self.errors.values())
-
-
-@dataclass
-class Finding:
-    """A candidate module class or function, and every declaration tried on it."""
-
-    kind: str  # "module" or "function"
-    name: str  # class name, or function name
-    instances: int  # modules of the class (or call sites of the function) measured
-    origin: str = ""  # the Python module the class (or function) is defined in
-    measurements: list[Measurement] = field(default_factory=list)
-    refused: list[tuple[str, str]] = field(default_factory=list)  # (op, why) for ops whose checks said no
-    opt_in: list[str] = field(default_factory=list)  # opt-in ops that fit (reported, never written)
-    note: str = ""  # why nothing could be measured (never called, ...)
-
-    @property
-    def exact(self) -> list[Measurement]:
-        return [m for m in self.measurements if m.exact]
-
-    @property
-    def chosen(self) -> Measurement | None:
-        """The one exact declaration; ``None`` when none is exact or several tie."""
-        exact = self.exact
-        return exact[0] if len(exact) == 1 else None
-
-
-@dataclass
-class Scaffold:
-    """What the scaffold found for one model: a patchset's worth of findings."""
-
-    model_type: str
-    model_class: str
-    #: The ``tiny_model.config`` that rebuilds the measured model from its ``model_type``;
-    #: ``None`` when transformers cannot build it from the type (its code is not transformers').
-    tiny_config: dict[str, Any] | None
-    findings: list[Finding]
-    #: The command (or call) that produced it, for the file's header.
-    source: str = ""
-    #: Where the classes and functions not from transformers came from (``{name: module}``).
-    foreign: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def patches(self) -> list[Any]:
-        return [f.chosen.patch for f in self.findings if f.chosen is not None]
-
-    def to_yaml(self) -> str:
-        from engine.scaffolding.rendering import render
-
-        return render(self)
-
-    def __str__(self) -> str:
-        return self.to_yaml()
 
 
 def scaffold(
@@ -344,7 +277,7 @@ def _measure_module(
                 result.problem = f"{type(exc).__name__}: {exc}"
                 return result
             worst = max(worst, _error(got, expected))
-        result.errors[_DTYPE_NAMES[dtype]] = worst
+        result.errors[DTYPE_NAMES[dtype]] = worst
     return result
 
 
@@ -394,5 +327,5 @@ def _measure_function(op: FunctionOp, patch: Any, called: list[tuple[Any, Any]])
                 result.problem = f"{type(exc).__name__}: {exc}"
                 return result
             worst = max(worst, _error(got, expected))
-        result.errors[_DTYPE_NAMES[dtype]] = worst
+        result.errors[DTYPE_NAMES[dtype]] = worst
     return result

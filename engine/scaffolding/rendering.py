@@ -1,4 +1,4 @@
-"""Write a :class:`~engine.scaffold.Scaffold` as a patchset YAML a person can read and check.
+"""The scaffold's result (:class:`Scaffold`), written as a patchset YAML a person can read and check.
 
 Every patch carries a comment saying what was measured (``fp32 exact, bf16 exact``) and how
 far off the other declarations were, so a reader sees *why* ``scale: weight`` and not
@@ -10,16 +10,15 @@ op fits but changes the model's contract.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
 from engine.ops.base import get_op
+from engine.scaffolding.findings import Finding, Measurement
 
-if TYPE_CHECKING:  # the data classes; scaffolding imports this module to render them
-    from engine.scaffolding import Finding, Measurement, Scaffold
-
-__all__ = ["render", "settings_text"]
+__all__ = ["Scaffold", "render", "settings_text"]
 
 #: Patch keys that say what to patch or how to run it, not what the target computes.
 _NOT_SETTINGS = {"kernel", "optional", "signature", "target", "function", "op"}
@@ -141,6 +140,32 @@ def _foreign_lines(result: Scaffold) -> list[str]:
         "# so there is no tiny_model block and `patch-engine verify` cannot build it: verify on the model",
         "# itself: engine.apply(model, THIS_FILE, verify=True) (engine.verify(model) after apply).",
     ]
+
+
+@dataclass
+class Scaffold:
+    """What the scaffold found for one model: a patchset's worth of findings."""
+
+    model_type: str
+    model_class: str
+    #: The ``tiny_model.config`` that rebuilds the measured model from its ``model_type``;
+    #: ``None`` when transformers cannot build it from the type (its code is not transformers').
+    tiny_config: dict[str, Any] | None
+    findings: list[Finding]
+    #: The command (or call) that produced it, for the file's header.
+    source: str = ""
+    #: Where the classes and functions not from transformers came from (``{name: module}``).
+    foreign: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def patches(self) -> list[Any]:
+        return [f.chosen.patch for f in self.findings if f.chosen is not None]
+
+    def to_yaml(self) -> str:
+        return render(self)
+
+    def __str__(self) -> str:
+        return self.to_yaml()
 
 
 def render(result: Scaffold) -> str:
