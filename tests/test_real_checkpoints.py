@@ -312,3 +312,27 @@ def test_cli_fails_on_a_wrong_declaration_naming_the_module(
     assert "verification FAILED" in out
     assert re.search(r"model\.layers\.0\.input_layernorm +LlamaRMSNorm .* FAIL +declared scale: one_plus_weight"
                      r", cast: llama does not reproduce LlamaRMSNorm\.forward; scale: weight fits", out), out
+
+
+def test_a_real_folder_without_a_tokenizer_loads_with_the_one_loader(real: Loaded, tmp_path: Path) -> None:
+    """``bench --model`` and ``verify --model`` share ``load_checkpoint``; a folder without a tokenizer loads alone."""
+    if real.name != "smollm2":
+        pytest.skip("saving and loading a copy once, on the smaller checkpoint, shows it")
+    from transformers import AutoModelForCausalLM
+
+    from engine.commands.checkpoints import load_checkpoint
+    from engine.errors import InvalidArgument
+
+    folder = tmp_path / "smollm2"
+    plain = AutoModelForCausalLM.from_config(real.fp32.config, dtype=torch.float32)  # a GGUF model refuses to save
+    plain.load_state_dict(real.fp32.state_dict())
+    plain.save_pretrained(folder)  # no tokenizer
+    del plain
+    with pytest.raises(InvalidArgument, match="no tokenizer in this checkpoint"):
+        load_checkpoint(folder)
+    loaded, tokenizer = load_checkpoint(folder, tokenizer=False)
+    assert tokenizer is None
+    batch = real.batch(32)
+    with torch.no_grad():
+        diff = (loaded(**batch).logits - real.fp32(**batch).logits).abs().max().item()
+    assert diff <= 1e-4, diff  # the same weights; sdpa vs the GGUF model's attention may round differently

