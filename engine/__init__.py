@@ -14,6 +14,7 @@ enough for a pre-commit hook. The error types are plain and always loaded.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
@@ -36,7 +37,9 @@ from engine.errors import (
     VerificationFailed,
     VersionMismatch,
 )
+from engine.foundation.moved import MOVED as _MOVED
 from engine.foundation.moved import install as _install_moved_paths
+from engine.foundation.moved import message as _moved_message
 
 _install_moved_paths()  # each module path from before the layer packages imports as the module it moved to
 
@@ -110,6 +113,12 @@ def __getattr__(name: str) -> Any:
         return value
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if f"{__name__}.{name}" in _MOVED:  # an old path as an attribute: warn where the user wrote it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = importlib.import_module(f"{__name__}.{name}")
+        warnings.warn(_moved_message(f"{__name__}.{name}"), DeprecationWarning, stacklevel=2)
+        return module
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as exc:

@@ -119,3 +119,20 @@ def test_python_dash_m_runs_a_command_module_by_its_old_path() -> None:
                           text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert "render" in done.stdout and "run" in done.stdout
+
+
+def test_an_old_path_reached_as_an_attribute_warns_at_the_line_that_wrote_it() -> None:
+    code = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import engine
+    from engine import routing
+    from engine.runtime import routing as new
+assert routing is new
+print([(w.category.__name__, w.filename, w.lineno) for w in caught])
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('DeprecationWarning', '<string>', 6)]"

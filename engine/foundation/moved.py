@@ -19,7 +19,7 @@ import sys
 import warnings
 from types import CodeType, ModuleType
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "message"]
 
 #: Old module path -> where it lives now.
 MOVED: dict[str, str] = {
@@ -57,6 +57,13 @@ MOVED: dict[str, str] = {
 }
 
 
+def message(old: str) -> str:
+    """What the DeprecationWarning of an old path says."""
+    new = MOVED[old]
+    return (f"{old} moved to {new}; import {new} (a model pickled before the move loads through this alias: "
+            "save it again to refer to the new path)")
+
+
 class _Alias(importlib.abc.Loader):
     """Loads an old path as the module at its new path (imported once, shared by both names)."""
 
@@ -64,9 +71,7 @@ class _Alias(importlib.abc.Loader):
         self.new = new
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(f"{spec.name} moved to {self.new}; import {self.new} (a model pickled before the move "
-                      "loads through this alias: save it again to refer to the new path)",
-                      DeprecationWarning, stacklevel=2)  # warnings skips the import machinery's frames
+        warnings.warn(message(spec.name), DeprecationWarning, stacklevel=2)  # import frames are skipped
         module = importlib.import_module(self.new)
         self.spec = module.__spec__
         return module
