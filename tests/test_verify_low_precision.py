@@ -61,7 +61,12 @@ def test_a_wrong_kernel_still_fails_in_bf16(swiglu_kernels) -> None:
     report = engine.verify(model, raise_on_failure=False)
     failed = {(c.path, c.what) for c in report.failures}
     assert ("model.layers.0.mlp", "kernel") in failed
-    assert ("<model>", "loss") in failed and ("<model>", "grads") in failed
+    assert ("<model>", "loss") in failed
+    # Its gradients: over the per-tensor rule, named; whether that fails a bf16 model is the
+    # population's call (engine.verification.low_precision: here 1 of 25, which an equally valid
+    # bf16 run also reaches, so the loss and the module check are what fail it).
+    grads = next(c for c in report.checks if (c.path, c.what) == ("<model>", "grads"))
+    assert "differ by more than the original's own error allows" in grads.note, grads.note
     loss = next(c for c in report.checks if c.what == "loss")
     times = float(loss.note.split(" = ")[1].split("x ")[0])
     assert times > engine.verification.NOISE_FACTOR  # further from the original than its own rounding error
