@@ -7,7 +7,7 @@ the loss), on SmolLM2-135M and Gemma 3 270M in bf16 (64 tokens of the bundled te
 the statistics a bf16 judge could use, for:
 
 * ``nudge1..3``: the unpatched original with its input embeddings nudged by one bf16 ulp on
-  half the elements (three seeds): equally valid runs, which a judge must pass;
+  half the elements, up or down at random (three seeds): equally valid runs, which a judge must pass;
 * ``compiled``, ``compiled_fused``: the bundled patchset with compiled kernels (the
   real-checkpoint test rows), without and with the fused head; ``torch_fused``: torch kernels
   with the fused head;
@@ -104,8 +104,12 @@ def run(model: torch.nn.Module, batch: dict[str, torch.Tensor], nudge: int | Non
         gen = torch.Generator().manual_seed(nudge)
 
         def hook(m: Any, a: Any, out: torch.Tensor) -> torch.Tensor:
+            # half the elements one ulp up or down, at random: a perturbation of mean zero (all up would
+            # be a bias of half an ulp, not a rounding: measured on Gemma 3, it pushes its gradients)
             mask = torch.rand(out.shape, generator=gen) < 0.5
-            return torch.where(mask, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+            up = torch.rand(out.shape, generator=gen) < 0.5
+            toward = torch.where(up, torch.full_like(out, float("inf")), torch.full_like(out, float("-inf")))
+            return torch.where(mask, torch.nextafter(out, toward), out)
 
         handle = model.get_input_embeddings().register_forward_hook(hook)
     start = time.perf_counter()
@@ -144,6 +148,7 @@ def stats(v: torch.Tensor, a: torch.Tensor, t: torch.Tensor) -> dict[str, float]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint", nargs="?", choices=list(PATCHSETS))
+    parser.add_argument("--merge", action="store_true", help="add these runs to the saved file (same original, truth)")
     parser.add_argument("--render", nargs="+", choices=list(PATCHSETS), help="print the table from saved runs")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--variants", nargs="+", default=[
@@ -201,7 +206,13 @@ def main() -> None:
     for n in ref:
         result.setdefault("original", {})[n] = {k: v for k, v in result["runs"][args.variants[0]][n].items()
                                                 if k in ("ea", "earms", "scale", "trms", "numel")}
-    Path(f"benchmarks/results/verify_bf16_spread_{args.checkpoint}.json").write_text(json.dumps(result))
+    path = Path(f"benchmarks/results/verify_bf16_spread_{args.checkpoint}.json")
+    if args.merge and path.exists():
+        saved = json.loads(path.read_text())
+        saved["runs"].update(result["runs"])
+        saved["time"].update(result["time"])
+        result = saved
+    path.write_text(json.dumps(result))
 
 
 

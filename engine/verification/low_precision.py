@@ -38,10 +38,12 @@ __all__ = ["ALPHA", "LOW_PRECISION", "P_OVER", "TAIL_INDEX", "count_limit", "jud
 #: Model dtypes judged by this rule (the others by the per-tensor rule).
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
-#: The share of tensors over the per-tensor rule in an equally valid bf16 run (``r > 1``), measured.
-P_OVER = 0.04
+#: The share of tensors over the per-tensor rule in an equally valid bf16 run (``r > 1``): measured 71 of
+#: 1524 (0.047; SmolLM2 0.029, Gemma 3 0.064) over three nudged runs of each real checkpoint, rounded up.
+P_OVER = 0.05
 
-#: The tail index of ``r`` beyond 1 in equally valid runs (Hill estimator over the largest ratios), measured.
+#: The tail index of ``r`` beyond 1 in equally valid runs: the Hill estimator over the 40 largest of
+#: those 1524 ratios gives 3.2 (SmolLM2 alone 2.6), rounded down (a heavier tail: a laxer cap).
 TAIL_INDEX = 3.0
 
 #: The false-failure probability allowed to each of the two tests (per tensor, population) of one verification.
