@@ -138,9 +138,10 @@ PAIRWISE = {
     ("compiled", "fp32", "training", True),
     ("compiled", "fp32", "inference", False),
 }
-#: The compiled bf16 rows (~30-50 s each: inductor compiles the norms and the MLPs) run in the full
-#: matrix; the default suite spends its budget on :func:`test_a_kernel_one_percent_off_fails_the_bf16_gradients`,
-#: which is what the bf16 whole-model judge (:mod:`engine.verification.low_precision`) must still catch.
+#: The compiled bf16 rows (40-140 s each on a loaded 2-core machine: inductor compiles the norms and
+#: the MLPs; they pass the bf16 whole-model judge, :mod:`engine.verification.low_precision`) run in the
+#: full matrix; the default suite spends its budget on
+#: :func:`test_a_kernel_one_percent_off_fails_the_bf16_gradients` (SmolLM2), what that judge must still catch.
 FULL_MATRIX = os.environ.get("PATCH_ENGINE_REAL_MATRIX", "") == "full"
 
 
@@ -244,8 +245,12 @@ def test_a_kernel_one_percent_off_fails_the_bf16_gradients(real: Loaded, one_per
     off fails the whole model's gradients on each real checkpoint in bf16, naming a parameter
     (benchmarks/results/verify_bf16.md: 147 of 272 gradients over on SmolLM2, 53 of 236 on Gemma 3,
     where the judge allows 23 and 20; equally valid runs reach 13 and 20). Its forward also fails the
-    fp32 module check, which every model dtype runs; this is the whole-model judge alone."""
+    fp32 module check, which every model dtype runs; this is the whole-model judge alone.
+    Cost (a loaded 2-core machine): 24 s on SmolLM2, 64 s on Gemma 3, which runs in the full matrix only."""
     from engine.verification import compare_models
+
+    if real.name == "gemma3" and not FULL_MATRIX:
+        pytest.skip("budget: Gemma 3's fp64 truth takes ~1 min; PATCH_ENGINE_REAL_MATRIX=full runs it")
 
     model = real.model("bf16").train()
     engine.apply(model, variant(real.patchset, kernel="torch", rms_norm={"kernel": one_percent_norm}),
