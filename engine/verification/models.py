@@ -20,6 +20,7 @@ every run (one seed, the global RNG state restored after).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from engine.patcher import original_forwards
 from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, max_abs, max_abs_diff, noise_note
 from engine.verification.results import MODEL, Check
 from engine.verification.truth import GradientSink, fp64_truth
+from engine.verification.truth_layers import recomputed_layers
 
 __all__ = ["Offload", "compare_models", "hold", "holding_device", "seeded", "surrogate_loss"]
 
@@ -252,20 +254,42 @@ def _truth_run(
 ) -> dict[str, Any]:
     """The original in fp64; each parameter's fp64 gradient is measured against the original's as it arrives."""
 
-    def arrived(name: str, exact: torch.Tensor) -> None:
-        mine = grads.original.pop(name, None)
-        if mine is not None:  # on the truth's device: the held gradient comes to it a chunk at a time
-            grads.noise[name] = (max_abs_diff(exact, mine), max_abs(exact))
+    def part(name: str, rows: slice | torch.Tensor, exact: torch.Tensor) -> None:
+        mine = grads.original.get(name)
+        if mine is None:
+            return
+        if not isinstance(rows, slice):
+            mine = mine.index_select(0, rows.to(mine.device))
+        elif rows != slice(None):
+            mine = mine[rows]
+        # on the truth's device: the held gradient comes to it a chunk at a time
+        noise = (max_abs_diff(exact, mine), max_abs(exact))
+        seen = grads.noise.get(name)
+        grads.noise[name] = noise if seen is None else (_worst(seen[0], noise[0]), max(seen[1], noise[1]))
 
-    sink = GradientSink(arrived, held)
+    def done(name: str) -> None:
+        grads.original.pop(name, None)
+
+    def arrived(name: str, exact: torch.Tensor) -> None:
+        part(name, slice(None), exact)
+        done(name)
+
+    sink = GradientSink(arrived, held, on_part=part, on_done=done)
     truth = fp64_truth(original, sink)
-    with _no_checkpointing(original):
+    if "use_cache" not in batch and "use_cache" in inspect.signature(original.forward).parameters:
+        batch = {**batch, "use_cache": False}  # a cache would be written again when a layer is recomputed
+    with _no_checkpointing(original), recomputed_layers(original, truth.mode):
         out = _run(original, batch, forward_in=truth)
     sink.flush()
     mode = truth.mode
     # A call the mode could not widen leaves the truth rounded there, like the original: the
     # original's error looks smaller, so the judge is stricter, never laxer. Named, not hidden.
     return {head: hold(out[head], held), "loss": hold(out["loss"], held), "rounded": sorted(mode.rounded)}
+
+
+def _worst(a: float, b: float) -> float:
+    """The larger of two errors, NaN (a non-finite truth) winning."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.Tensor, truth: Any) -> Check:

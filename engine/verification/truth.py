@@ -41,6 +41,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from engine.verification.truth_sink import GradientSink
+
 __all__ = ["Fp64", "GradientSink", "fp64_truth"]
 
 _LOWER = (torch.float32, torch.float16, torch.bfloat16)
@@ -58,60 +60,6 @@ def _in_place(func: Any) -> bool:
 
 
 _IN_PLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
-
-
-class GradientSink:
-    """Sums the fp64 gradient of each use of a parameter; calls ``on_complete(name, grad)`` after its last use."""
-
-    def __init__(self, on_complete: Callable[[str, torch.Tensor], None], held: torch.device | None = None):
-        self.on_complete = on_complete
-        #: where partial sums wait for a parameter's other uses (the host, for a model on an accelerator: a tied
-        #: embedding's fp64 gradient waits there from the head's backward to the lookup's)
-        self.held = held
-        self.uses: dict[str, int] = {}
-        self.arrived: dict[str, int] = {}
-        self.partial: dict[str, torch.Tensor] = {}
-        self._owned: set[str] = set()  # partial sums the sink made itself: safe to add into in place
-
-    def used(self, name: str) -> None:
-        self.uses[name] = self.uses.get(name, 0) + 1
-
-    def receive(self, name: str, grad: torch.Tensor, owned: bool = False) -> None:
-        """One use's gradient; ``owned``: nobody else holds ``grad``, so later uses may be added into it."""
-        held = self.partial.pop(name, None)
-        if held is None:
-            total = grad
-        elif name in self._owned:
-            total = held.add_(grad.to(held.device))
-        else:
-            total, owned = held + grad.to(held.device), True
-        self._settle(name, total, owned)
-
-    def receive_rows(self, name: str, index: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> None:
-        """One lookup's gradient as the rows it touched (``grad[index[i]] += rows[i]``): no dense copy per use."""
-        held = self.partial.pop(name, None)
-        if held is None or name not in self._owned:
-            device = self.held if self.held is not None else rows.device
-            held = torch.zeros(shape, dtype=rows.dtype, device=device) if held is None else held.clone()
-        self._settle(name, held.index_add_(0, index.to(held.device), rows.to(held.device)), True)
-
-    def _settle(self, name: str, total: torch.Tensor, owned: bool) -> None:
-        self._owned.discard(name)
-        self.arrived[name] = self.arrived.get(name, 0) + 1
-        if self.arrived[name] >= self.uses.get(name, 0):
-            self.on_complete(name, total)
-        else:
-            if self.held is not None and total.device != self.held:
-                total, owned = total.to(self.held), True
-            self.partial[name] = total
-            if owned:
-                self._owned.add(name)
-
-    def flush(self) -> None:
-        """Deliver parameters some of whose uses never reached the loss (their gradient is what arrived)."""
-        for name in list(self.partial):
-            self.on_complete(name, self.partial.pop(name))
-        self._owned.clear()
 
 
 class _Upcast(torch.autograd.Function):
@@ -171,6 +119,14 @@ class _WideLinear(torch.autograd.Function):
         w = ctx.p.detach()
         g, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = x2.new_zeros(x2.shape)
+        if ctx.sink is not None and ctx.sink.streams(ctx.name):  # the weight's gradient never whole
+            def parts() -> Iterator[tuple[int, torch.Tensor]]:
+                for s, block in _blocks(w):
+                    gs = g[:, s:s + block.shape[0]]
+                    grad_x.addmm_(gs, block)
+                    yield s, gs.T @ x2
+            ctx.sink.receive_blocks(ctx.name, w.shape[0], parts())
+            return grad_x.reshape(x.shape), None, g.sum(0) if ctx.has_bias else None, None, None
         grad_w = x2.new_empty(w.shape) if ctx.sink is not None else None
         for s, block in _blocks(w):
             gs = g[:, s:s + block.shape[0]]
@@ -237,6 +193,34 @@ class Fp64(TorchFunctionMode):
         self.sink = sink
         self.rounded: dict[str, int] = {}
         self._upcasts: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        #: inside a layer run without a graph that its backward recomputes (:mod:`.truth_layers`): uses are
+        #: counted now (the sink must know every use before the first gradient arrives) ...
+        self.counting = False
+        #: ... and not again in the recomputation, which builds the graph the gradients come from
+        self.recomputing = False
+
+    def _sink_for(self, param: torch.Tensor) -> GradientSink | None:
+        """The sink when this use of ``param`` sends it a gradient now; ``None`` otherwise."""
+        if self.sink is None or not param.requires_grad:
+            return None
+        return self.sink if torch.is_grad_enabled() else None
+
+    def _use(self, name: str, param: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        """Count one use of a trainable ``param`` with the sink (once: not again when recomputed)."""
+        if self.sink is not None and param.requires_grad and not self.recomputing and (
+                torch.is_grad_enabled() or self.counting):
+            self.sink.used(name, ids)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Fp64]:
+        """The mode active, with fp64 as default dtype and parameters saved by reference (entered again to recompute)."""
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # ``torch.zeros(shape)`` and ``torch.tensor(0.5)`` too
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), self:
+                yield self
+        finally:
+            torch.set_default_dtype(default)
 
     def _up(self, value: Any) -> Any:
         if isinstance(value, torch.dtype):
@@ -247,8 +231,8 @@ class Fp64(TorchFunctionMode):
         if entry is None:
             return value.to(torch.float64)
         name, param = entry
-        if self.sink is not None and param.requires_grad and torch.is_grad_enabled():
-            self.sink.used(name)
+        self._use(name, param)
+        if self._sink_for(param) is not None:
             wide = _Upcast.apply(param, self.sink, name)
         else:
             wide = param.detach().to(torch.float64)
@@ -293,20 +277,19 @@ class Fp64(TorchFunctionMode):
         if entry is None or entry[1].numel() <= _BIG:
             return None
         name, param = entry
-        sink = self.sink if self.sink is not None and param.requires_grad and torch.is_grad_enabled() else None
+        sink = self._sink_for(param)
         if func is torch.nn.functional.embedding:
             if bound.get("max_norm") is not None or bound.get("scale_grad_by_freq") or bound.get("sparse"):
                 return None
             padding = bound.get("padding_idx")
             if padding is not None and padding < 0:
                 padding += param.shape[0]
+            self._use(name, param, bound["input"])
             if sink is not None:
-                sink.used(name)
                 return _WideRows.apply(param, bound["input"], padding, sink, name)
             return param.detach()[bound["input"]].to(torch.float64)
         x, bias = self._up(bound["input"]), self._up(bound.get("bias"))
-        if sink is not None:
-            sink.used(name)
+        self._use(name, param)
         return _WideLinear.apply(x, param, bias, sink, name)
 
     def _count(self, func: Any, out: Any) -> Any:
@@ -346,12 +329,8 @@ class fp64_truth:
 
     def __enter__(self) -> Fp64:
         with contextlib.ExitStack() as stack:
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.float64)  # ``torch.zeros(shape)`` and ``torch.tensor(0.5)`` too
-            stack.callback(torch.set_default_dtype, default)
             stack.callback(self.mode._upcasts.clear)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.mode.pack, self.mode.unpack))
-            stack.enter_context(self.mode)
+            stack.enter_context(self.mode.scope())
             self._stack = stack.pop_all()
         return self.mode
 
