@@ -9,7 +9,9 @@ the tiny models otherwise take: logits, loss, every gradient (the tied weight's 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from engine.verification import models, probe_batch
 from engine.verification import truth as truth_mod
 from engine.verification.compare import compare
 from engine.verification.truth import GradientSink, fp64_truth
+from engine.verification.truth_layers import recomputed_layers
 
 
 def _truth(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict, set]:
@@ -52,6 +55,52 @@ def test_the_truth_in_blocks_equals_the_truth_with_whole_copies(family: str, mon
         assert torch.allclose(blocks[2][name], grad, rtol=1e-10, atol=1e-12), name
     name = next(n for n, p in model.named_parameters() if p is embedding)
     assert blocks[2][name][3].abs().max() > 0  # the head's use still reaches the padding row
+
+
+def _layered_truth(model: torch.nn.Module, batch: dict, *, layered: bool, seed: int = 0) -> tuple[Any, ...]:
+    """The truth through ``models``' path: decoder layers recomputed, head gradients handed over in row blocks."""
+    whole: dict[str, torch.Tensor] = {}
+    parts: dict[str, torch.Tensor] = {}
+    cover: dict[str, torch.Tensor] = {}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+
+    def part(name: str, rows: Any, values: torch.Tensor) -> None:
+        parts.setdefault(name, torch.zeros(shapes[name], dtype=torch.float64))[rows] = values
+        cover.setdefault(name, torch.zeros(shapes[name][0], dtype=torch.int64))[rows] += 1
+
+    done: list[str] = []
+    sink = GradientSink(whole.__setitem__, on_part=part if layered else None,
+                        on_done=done.append if layered else None)
+    truth = fp64_truth(model, sink)
+    torch.manual_seed(seed)
+    with recomputed_layers(model, truth.mode) if layered else contextlib.nullcontext(0) as layers:
+        with truth as mode:
+            out = model(**batch, use_cache=False)
+        out.loss.backward()
+    sink.flush()
+    assert not mode.rounded
+    return out.logits.detach(), out.loss.detach(), whole, parts, cover, done, layers
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3"])
+def test_the_truth_layer_by_layer_and_in_row_blocks_equals_the_truth_at_once(family: str, monkeypatch) -> None:
+    model = tiny_for(family, tie_word_embeddings=True, pad_token_id=3, attention_dropout=0.3).train()
+    batch = probe_batch(model)
+    batch["input_ids"][0, :3] = 3
+    monkeypatch.setattr(truth_mod, "_BIG", 0)  # the tied embedding and head go through the blockwise path
+    at_once = _layered_truth(model, batch, layered=False)
+    layered = _layered_truth(model, batch, layered=True)
+    assert layered[6] == model.config.num_hidden_layers  # every decoder layer recomputed in its backward
+    assert not torch.equal(_layered_truth(model, batch, layered=False, seed=1)[0], at_once[0])  # dropout draws
+    assert torch.equal(layered[0], at_once[0]) and torch.equal(layered[1], at_once[1])  # the same fp64 operations
+    name = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    assert name not in layered[2] and name in layered[5]  # never handed over whole: in row blocks, then done
+    assert bool((layered[4][name] == 1).all())  # each row exactly once, its final value
+    grads = {**layered[2], **layered[3]}
+    assert grads.keys() == at_once[2].keys() == {n for n, _ in model.named_parameters()}
+    for key, grad in at_once[2].items():
+        assert torch.equal(grads[key], grad), key  # bit for bit, dropout included
+    assert torch.equal(grads[name][3], at_once[2][name][3]) and grads[name][3].abs().max() > 0  # padding row: head only
 
 
 def test_compare_in_chunks_equals_compare_at_once(monkeypatch) -> None:
