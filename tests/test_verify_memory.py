@@ -1,8 +1,9 @@
 """The fp64 truth without a whole fp64 copy of a large embedding or LM head, and a chunked compare.
 
 A 262k-token vocabulary makes the embedding (tied to the head in Gemma 3) 1.3 GiB in fp64:
-the truth looks up only the rows it needs and multiplies by the head a block of rows at a
-time (:class:`engine.verification.truth._WideRows`, ``_WideLinear``). Here every parameter
+the truth looks up only the rows it needs, multiplies by the head a block of rows at a
+time and takes the cross-entropy of the scores a block of rows at a time
+(:class:`engine.verification.truth._WideRows`, ``_WideLinear``, ``_WideCrossEntropy``). Here every parameter
 counts as large (``_BIG = 0``), and the results must be those of the whole-copy path, which
 the tiny models otherwise take: logits, loss, every gradient (the tied weight's two uses summed).
 """
@@ -42,6 +43,7 @@ def test_the_truth_in_blocks_equals_the_truth_with_whole_copies(family: str, mon
     model = tiny_for(family, tie_word_embeddings=True, pad_token_id=3)
     batch = probe_batch(model)
     batch["input_ids"][0, :3] = 3  # the padding row: no gradient from its lookups, as in F.embedding
+    batch["labels"] = batch["input_ids"].masked_fill(batch["input_ids"] == 3, -100)  # ignored: no loss, no gradient
     whole = _truth(model, batch)
     monkeypatch.setattr(truth_mod, "_BIG", 0)
     blocks = _truth(model, batch)
@@ -55,6 +57,25 @@ def test_the_truth_in_blocks_equals_the_truth_with_whole_copies(family: str, mon
         assert torch.allclose(blocks[2][name], grad, rtol=1e-10, atol=1e-12), name
     name = next(n for n, p in model.named_parameters() if p is embedding)
     assert blocks[2][name][3].abs().max() > 0  # the head's use still reaches the padding row
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_blockwise_cross_entropy_is_torch_s_in_fp64(reduction: str, monkeypatch) -> None:
+    monkeypatch.setattr(truth_mod, "_BIG", 64)  # blocks of one row: 64 // 8 elements of a 37-wide score row
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 37, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 37, (11,), generator=gen)
+    target[[2, 7]] = -100
+    seed = torch.randn(11, generator=gen, dtype=torch.float64)
+    with fp64_truth(None) as mode:
+        mine = torch.nn.functional.cross_entropy(x, target, reduction=reduction)
+    assert mine.grad_fn is not None and "WideCrossEntropy" in type(mine.grad_fn).__name__
+    want = torch.nn.functional.cross_entropy(x, target, reduction=reduction)
+    assert torch.allclose(mine, want, rtol=1e-13, atol=1e-15) and not mode.rounded
+    weight = seed if reduction == "none" else 1.0
+    (g_mine,) = torch.autograd.grad((mine * weight).sum(), x)
+    (g_want,) = torch.autograd.grad((want * weight).sum(), x)
+    assert torch.allclose(g_mine, g_want, rtol=1e-12, atol=1e-15) and bool((g_mine[[2, 7]] == 0).all())
 
 
 def _layered_truth(model: torch.nn.Module, batch: dict, *, layered: bool, seed: int = 0) -> tuple[Any, ...]:

@@ -138,6 +138,50 @@ class _WideLinear(torch.autograd.Function):
         return grad_x.reshape(x.shape), None, g.sum(0) if ctx.has_bias else None, None, None
 
 
+class _WideCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy`` of ``[tokens, vocab]`` fp64 scores a block of rows at a time: no log-softmax is kept.
+
+    Why: torch's keeps its ``[tokens, vocab]`` log-softmax for the backward and makes two more of
+    that size there; in fp64 (Gemma 3's 262k vocabulary, 320 tokens: 640 MiB each) they were
+    the truth's peak. Here the forward keeps one logsumexp per row, and the backward writes the
+    scores' gradient ``(softmax - onehot) * scale`` block by block: the scores and their gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, ignore: int, reduction: str) -> torch.Tensor:  # type: ignore[override]
+        valid = target != ignore
+        safe = target.masked_fill(~valid, 0)
+        lse = x.new_empty(x.shape[0])
+        for s, e in _row_blocks(x):
+            lse[s:e] = torch.logsumexp(x[s:e], dim=-1)
+        losses = (lse - x.gather(1, safe.unsqueeze(1)).squeeze(1)).masked_fill(~valid, 0.0)
+        ctx.save_for_backward(x, lse, safe, valid)
+        ctx.reduction = reduction
+        if reduction == "none":
+            return losses
+        return losses.sum() if reduction == "sum" else losses.sum() / valid.sum()  # all ignored: nan, as torch
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, lse, safe, valid = ctx.saved_tensors
+        if ctx.reduction == "none":
+            scale = grad * valid
+        else:
+            scale = (grad if ctx.reduction == "sum" else grad / valid.sum()).expand(x.shape[0]) * valid
+        out = torch.empty_like(x)
+        for s, e in _row_blocks(x):
+            block = torch.exp(x[s:e] - lse[s:e, None])
+            block.scatter_add_(1, safe[s:e, None], block.new_full((e - s, 1), -1.0))
+            out[s:e] = block.mul_(scale[s:e, None])
+        return out, None, None, None
+
+
+def _row_blocks(x: torch.Tensor) -> Iterator[tuple[int, int]]:
+    step = max(1, (_BIG // 8) // max(1, x.shape[-1]))
+    for s in range(0, x.shape[0], step):
+        yield s, min(s + step, x.shape[0])
+
+
 def _blocks(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     """``(first row, rows in fp64)`` of ``w``, about :data:`_BIG` / 8 elements at a time."""
     step = max(1, (_BIG // 8) // max(1, w.shape[-1]))
@@ -265,6 +309,8 @@ class Fp64(TorchFunctionMode):
 
     def _wide(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
         """A lookup in, or a linear layer by, a large parameter, without its whole fp64 copy; ``None``: not one."""
+        if func is torch.nn.functional.cross_entropy:
+            return self._cross_entropy(args, kwargs)
         if func is torch.nn.functional.embedding:
             names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
                             "sparse")
@@ -291,6 +337,18 @@ class Fp64(TorchFunctionMode):
         x, bias = self._up(bound["input"]), self._up(bound.get("bias"))
         self._use(name, param)
         return _WideLinear.apply(x, param, bias, sink, name)
+
+    def _cross_entropy(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """Class-index cross-entropy of large ``[tokens, vocab]`` scores, blockwise; ``None``: another kind."""
+        names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+        b = dict(zip(names, args, strict=False)) | kwargs
+        x, target = b.get("input"), b.get("target")
+        if (not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor) or x.dim() != 2
+                or target.dim() != 1 or target.is_floating_point() or x.numel() <= _BIG
+                or b.get("weight") is not None or b.get("size_average") is not None or b.get("reduce") is not None
+                or b.get("label_smoothing", 0.0) or b.get("reduction", "mean") not in ("mean", "sum", "none")):
+            return None
+        return _WideCrossEntropy.apply(self._up(x), target, b.get("ignore_index", -100), b.get("reduction", "mean"))
 
     def _count(self, func: Any, out: Any) -> Any:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64:
