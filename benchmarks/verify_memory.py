@@ -154,7 +154,9 @@ def one_row(row: str) -> dict[str, Any]:
         del report
         gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        start = time.perf_counter()
         report = engine.verify(model, batch=batch, modules=modules, raise_on_failure=False)
+        warm_s = time.perf_counter() - start  # compiles done by then; the profiler's overhead included
     raw = list(prof.profiler.kineto_results.events())
     level = peak = 0
     for _, n in sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]"):
@@ -174,7 +176,7 @@ def one_row(row: str) -> dict[str, Any]:
     failed = [f"{c.path} {c.what} {c.dtype}: {c.note}" for c in report.checks if not c.passed]
     return {"row": row, "checkpoint": name, "dtype": dtype_name, "kernels": kernels, "head": head,
             "modules": modules, "tokens": list(batch["input_ids"].shape), "model_mib": model_mib,
-            "step_mib": step_peak, "step_s": step_s, "verify_mib": peak / MIB, "verify_s": verify_s,
+            "step_mib": step_peak, "step_s": step_s, "verify_mib": peak / MIB, "verify_s": verify_s, "warm_s": warm_s,
             "budget_mib": step_peak + model_mib, "passed": report.passed, "failed": failed[:5], "phases": merged,
             "forced_compiled": kernels == "compiled", "timed": TIMED, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
