@@ -17,7 +17,9 @@ transformers' own fp32 model is, and the "truth" flatters the original.
   ``.type(...)``, ``softmax(dtype=torch.float32)``, ``torch.zeros(dtype=...)``) becomes fp64;
 * never upcasts a large parameter (over :data:`_BIG` elements) whole: ``F.embedding`` upcasts
   the looked-up rows, ``F.linear`` blocks of the weight in turn (:class:`_WideRows`,
-  :class:`_WideLinear`: Gemma 3's tied 262k x 640 embedding is 1.3 GiB in fp64);
+  :class:`_WideLinear`: Gemma 3's tied 262k x 640 embedding is 1.3 GiB in fp64), and a
+  cross-entropy of large ``[tokens, vocab]`` scores runs a block of rows at a time without
+  keeping its log-softmax (:class:`_WideCrossEntropy`);
 * counts any floating-point result that is still not fp64 (:attr:`Fp64.rounded`), so a caller
   can check that nothing rounded (tests assert it is empty).
 
