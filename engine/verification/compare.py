@@ -126,7 +126,8 @@ NOISE_FACTOR = 3.0
 #: of an ulp for a scalar such as the loss), one rounding step apart is still the same number.
 FLOOR_ULPS = 1.0
 
-_CHUNK = 1 << 22  # elements per step: differences are taken in fp64 without a full-size fp64 copy
+_CHUNK = 1 << 20  # elements per step (8 MiB in fp64): differences without a full-size fp64 copy, and few
+# chunk-sized temporaries beside the logits they compare (they set the fp64 truth's peak at 4M)
 
 
 def _chunk(t: torch.Tensor, start: int, device: torch.device) -> torch.Tensor:
