@@ -21,7 +21,12 @@ the root's unit), and on the model; one measured step: forward, ``backward``, SG
 Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_entropy=True)``).
 
     DS_ACCELERATOR=cpu flock /work/wt/heavy.lock python benchmarks/deepspeed_zero3.py \\
-        --framework zero3 fsdp2 --seq 1024 4096 --out benchmarks/results/sharded_head_cpu.json
+        --framework zero3 fsdp2 --seq 1024 --out benchmarks/results/sharded_head_cpu.json
+    DS_ACCELERATOR=cpu flock /work/wt/heavy.lock python benchmarks/deepspeed_zero3.py \\
+        --framework zero3 fsdp2 --seq 4096 --rank1-seq 64 --append --out benchmarks/results/sharded_head_cpu.json
+
+(At 4,096 tokens an unpatched rank needs about 9 GiB over its baseline; ``--rank1-seq 64`` has rank 1
+run 64 tokens, so only rank 0's row is a measurement, and the two ranks fit beside other jobs.)
 
 Writes the JSON and a Markdown table next to it (same name, ``.md``).
 """
@@ -89,10 +94,47 @@ def peak_rise(fn: Any, mark: str = "aten::embedding") -> tuple[float, float, flo
     around = [e for e in raw if e.name() != "[memory]" and e.start_ns() <= at <= e.start_ns() + e.duration_ns()]
     global PEAK_OPS  # where the peak is: the ops running at that moment, outermost first
     PEAK_OPS = [e.name() for e in sorted(around, key=lambda e: e.start_ns())][:6]
+    global ALIVE_AT_PEAK
+    ALIVE_AT_PEAK = alive_at_peak(prof)
     return peak / MIB, sum(n for t, n in events if t < first) / MIB, seconds
 
 
 PEAK_OPS: list[str] = []
+ALIVE_AT_PEAK: list[tuple[float, str]] = []
+
+
+def alive_at_peak(prof: Any, floor_mib: float = 8.0) -> list[tuple[float, str]]:
+    """The step's allocations of at least ``floor_mib`` still alive at its peak: ``(MiB, op chain)``, largest first.
+
+    Why: a peak is a sum; this says which buffers make it up (the op that allocated each, with the
+    two ops around it, innermost first), from the profiler's event tree (addresses of every allocation and free).
+    """
+    nodes = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag.name == "Allocation":
+            nodes.append(node)
+    nodes.sort(key=lambda n: n.start_time_ns)
+    live: dict[int, tuple[int, str]] = {}
+    level = best = 0
+    snapshot: dict[int, tuple[int, str]] = {}
+    for node in nodes:
+        fields = node.extra_fields
+        level += fields.alloc_size
+        if fields.alloc_size > 0:
+            chain, parent = [], node.parent
+            while parent is not None and len(chain) < 3:
+                chain.append(parent.name.replace("autograd::engine::evaluate_function: ", "bw:"))
+                parent = parent.parent
+            live[fields.ptr] = (fields.alloc_size, " < ".join(chain))
+        else:
+            live.pop(fields.ptr, None)
+        if level > best:
+            best, snapshot = level, dict(live)
+    big = [(round(size / MIB, 1), chain) for size, chain in snapshot.values() if size >= floor_mib * MIB]
+    return sorted(big, reverse=True)
 
 
 def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int], lean: bool) -> dict[str, Any]:
@@ -128,7 +170,8 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     peak, at_backbone, seconds = peak_rise(step)
     row = {"framework": "zero3-lean" if lean else "zero3", "hidden": hidden, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
-           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external, "peak_ops": PEAK_OPS}
+           "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external, "peak_ops": PEAK_OPS,
+           "alive_at_peak": ALIVE_AT_PEAK}
     if variant != "unpatched":
         engine.revert(model)
     ds_engine.destroy()
@@ -168,14 +211,16 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
     row = {"framework": "fsdp2", "hidden": config.hidden_size, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
            "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None,
-           "peak_ops": PEAK_OPS}
+           "peak_ops": PEAK_OPS, "alive_at_peak": ALIVE_AT_PEAK}
     return row
 
 
 def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: str, sizes: dict[str, int],
-           lean: bool = False) -> None:
+           lean: bool = False, rank1_seq: int | None = None) -> None:
+    if rank == 1 and rank1_seq:  # a shorter sequence on rank 1 (only rank 0's row is then the measurement)
+        seq = rank1_seq
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))  # memory does not depend on it; time does
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=1800))
     try:
@@ -204,7 +249,8 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
          "4 heads, intermediate 768), one sequence per rank; ZeRO-3: built under "
          "zero.Init, `stage3_param_persistence_threshold: 0`; FSDP2: `fully_shard` on each layer, on `lm_head` when "
          "untied, and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
-         "a warm-up step, from the allocator (torch.profiler); ranks 0 / 1."),
+         "a warm-up step, from the allocator (torch.profiler); ranks 0 / 1 (one number: rank 0 alone, where rank 1 "
+         "ran a shorter sequence, `--rank1-seq`, so that the run fits in this machine's memory)."),
         "",
         ("| framework | hidden | tokens per rank | embeddings | variant | peak rise MiB | vs unpatched "
          "| MiB held when the backbone starts | head registered on the root | s |"),
@@ -226,6 +272,14 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
             + " / ".join(f"{x:.2f}x" for x in ratios) + " | "
             + " / ".join(f"{g['mib_when_backbone_starts']:.0f}" for g in group)
             + f" | {registered} | {max(g['seconds'] for g in group):.1f} |")
+    lines += ["", ("At each peak (rank 0): the ops running, and the step's buffers of 64 MiB or more then alive "
+                   "(MiB, the op that allocated each):"), ""]
+    for r in sorted(rows, key=key):
+        if r["rank"] == 0 and r.get("alive_at_peak") is not None:
+            alive = "; ".join(f"{mib:.0f} {chain.split(' < ')[0]}" + (f" ({chain.split(' < ')[-1]})" if " < " in chain else "")
+                              for mib, chain in r["alive_at_peak"] if mib >= 64)
+            lines.append(f"- {r['framework']} {r['seq']} {'tied' if r['tied'] else 'untied'} {r['variant']}: "
+                         f"at {' > '.join(r['peak_ops'][:3])}; alive: {alive}")
     lines += ["", "Commands (each adds its rows to the file):", ""] + [f"    {c}" for c in commands] + [""]
     return "\n".join(lines)
 
@@ -253,6 +307,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--hidden", type=int, choices=[HIDDEN, 256], default=HIDDEN,
                         help="256: the same vocab with a quarter of the width (a proxy that fits beside other jobs)")
+    parser.add_argument("--rank1-seq", type=int, default=None,
+                        help="rank 1 runs this many tokens instead (its row is dropped): rank 0's peak at --seq "
+                             "where two full-length ranks do not fit in this machine's memory")
     parser.add_argument("--append", action="store_true", help="keep the file's other rows (replacing the ones rerun)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
@@ -273,9 +330,12 @@ def main() -> None:
             for tied in tieds:  # one process group per run: freed memory of one does not stay in the next's
                 for variant in args.variants:
                     with tempfile.TemporaryDirectory() as out:
-                        args_ = (out, framework.removesuffix("-lean"), seq, tied, variant, sizes, framework.endswith("-lean"))
+                        args_ = (out, framework.removesuffix("-lean"), seq, tied, variant, sizes,
+                                 framework.endswith("-lean"), args.rank1_seq)
                         mp.spawn(worker, args=args_, nprocs=WORLD, join=True)
-                        new = [row for rank in range(WORLD) for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
+                        ranks = [0] if args.rank1_seq else range(WORLD)  # rank 1 then ran another length
+                        new = [row | {"rank1_seq": args.rank1_seq} for rank in ranks
+                               for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
                     rows = [r for r in rows if key(r) not in {key(n) for n in new}] + new
                     print(new, flush=True)
                     text = write(args.out, rows, commands)  # after every run: a partial table survives

@@ -95,7 +95,7 @@ def phases(raw: list[Any]) -> list[dict[str, Any]]:
             at += mem[j][1]
             high = max(high, at)
             j += 1
-        out.append({"phase": name, "start_mib": level / MIB, "max_mib": high / MIB})
+        out.append({"phase": name, "start_mib": level / MIB, "max_mib": high / MIB, "s": (end - start) / 1e9})
     return out
 
 
@@ -154,7 +154,9 @@ def one_row(row: str) -> dict[str, Any]:
         del report
         gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        start = time.perf_counter()
         report = engine.verify(model, batch=batch, modules=modules, raise_on_failure=False)
+        warm_s = time.perf_counter() - start  # compiles done by then; the profiler's overhead included
     raw = list(prof.profiler.kineto_results.events())
     level = peak = 0
     for _, n in sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]"):
@@ -167,13 +169,14 @@ def one_row(row: str) -> dict[str, Any]:
             m["phase"] = next(order, "run")
     merged: dict[str, dict[str, float]] = {}
     for m in marks:  # one line per kind of phase: the first start, the highest maximum
-        merged.setdefault(m["phase"], {"start_mib": m["start_mib"], "max_mib": m["max_mib"]})
-        merged[m["phase"]]["max_mib"] = max(merged[m["phase"]]["max_mib"], m["max_mib"])
+        one = merged.setdefault(m["phase"], {"start_mib": m["start_mib"], "max_mib": m["max_mib"], "s": 0.0})
+        one["max_mib"] = max(one["max_mib"], m["max_mib"])
+        one["s"] += m["s"]  # seconds in the profiled run (slower than the timed one: compare phases, not rows)
     forced.close()
     failed = [f"{c.path} {c.what} {c.dtype}: {c.note}" for c in report.checks if not c.passed]
     return {"row": row, "checkpoint": name, "dtype": dtype_name, "kernels": kernels, "head": head,
             "modules": modules, "tokens": list(batch["input_ids"].shape), "model_mib": model_mib,
-            "step_mib": step_peak, "step_s": step_s, "verify_mib": peak / MIB, "verify_s": verify_s,
+            "step_mib": step_peak, "step_s": step_s, "verify_mib": peak / MIB, "verify_s": verify_s, "warm_s": warm_s,
             "budget_mib": step_peak + model_mib, "passed": report.passed, "failed": failed[:5], "phases": merged,
             "forced_compiled": kernels == "compiled", "timed": TIMED, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -201,10 +204,11 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
             f"{'x'.join(map(str, r['tokens']))} | {r['model_mib']:.0f} | {r['step_mib']:.0f} | {r['verify_mib']:.0f} | "
             f"{r['verify_mib'] / r['budget_mib']:.2f} | {r['step_s']:.1f} | {r['verify_s']:.1f} | "
             f"{r['verify_s'] / r['step_s']:.1f} | {r['passed']} | {top} |")
-    lines += ["", "Per phase (MiB: running total at the start / maximum in the phase):", ""]
+    lines += ["", "Per phase (MiB: running total at the start / maximum in the phase; seconds in the profiled run):", ""]
     for r in rows:
         if "error" not in r:
-            cells = ", ".join(f"{k} {v['start_mib']:.0f}/{v['max_mib']:.0f}" for k, v in r["phases"].items())
+            cells = ", ".join(f"{k} {v['start_mib']:.0f}/{v['max_mib']:.0f}" + (f" {v['s']:.0f}s" if "s" in v else "")
+                              for k, v in r["phases"].items())
             lines.append(f"- {r['row']}: {cells}")
     lines += ["", f"Reproduce: `{command}`", ""]
     return "\n".join(lines)

@@ -147,5 +147,46 @@ def fused_head_worker(rank: int, out: str) -> None:
                 runs.append(train_with_grads(model, batches_for(rank)))
             results["tied" if tied else "untied"] = runs
         torch.save(results, f"{out}/fused{rank}.pt")
+        torch.save({fused: head_step_peak_mib(fused, rank) for fused in (False, True)}, f"{out}/peak{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+#: A model whose step is dominated by the head: 1,024 tokens x 32,768 logits (128 MiB in fp32) against a
+#: 32,768 x 64 head (8 MiB), as a real vocabulary dominates a real step at 1,024 tokens and more.
+WIDE = {"vocab_size": 32_768, "tie_word_embeddings": False}
+
+
+def head_step_peak_mib(fused: bool, rank: int) -> float:
+    """Peak rise of allocated memory (MiB, from the profiler's allocator events) over one FSDP2 step, after a
+    warm-up step, of the wide-vocabulary model with ``lm_head`` its own unit, unpatched or with the fused head."""
+    from conftest import tiny_for
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import ProfilerActivity, profile
+
+    import engine
+
+    model = tiny_for("qwen3", **WIDE)
+    if fused:
+        engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ids = torch.randint(0, WIDE["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return peak / (1 << 20)

@@ -60,7 +60,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("ops", ("engine.ops", "engine.ops.*"), False,
           "semantics: target contract, binding, the torch reference (Op.reference)"),
     Layer("kernels", ("engine.kernels", "engine.kernels.*"), False,
-          "providers: registry, torch references as the `torch` provider, vendor kernels"),
+          "providers: registry, torch references as the `torch` provider, vendor kernels, and the shims that run "
+          "vendor Triton kernels under Triton's interpreter (triton_interpret/)"),
     Layer("planning", ("engine.planning", "engine.planning.*"), False,
           "decisions (their types, kernel choice, the fused_cross_entropy switch), and how they are shown"),
     Layer("patching", ("engine.patching", "engine.patching.*"), False,

@@ -476,7 +476,8 @@ def test_interpreting_is_scoped() -> None:
 
     watched = [(JITFunction, "run"), (JITFunction, "__call__"), (interpreter, "_implicit_cvt"), (triton, "jit"),
                (interpreter.InterpreterBuilder, "binary_op"), (interpreter.InterpreterBuilder, "create_dot"),
-               (interpreter.ASTTransformer, "visit_For"), (Autotuner, "check_disk_cache")]
+               (interpreter.ASTTransformer, "visit_For"), (Autotuner, "check_disk_cache"),
+               (interpreter.InterpreterBuilder, "create_atomic_rmw")]
     before = [(obj, name, obj.__dict__.get(name)) for obj, name in watched]
     with interpreting():
         assert is_interpreting() and triton.knobs.runtime.interpret
@@ -484,6 +485,33 @@ def test_interpreting_is_scoped() -> None:
     assert not is_interpreting() and not triton.knobs.runtime.interpret
     assert all(obj.__dict__.get(name) is old for obj, name, old in before)
     assert len({s.name for s in SHIMS}) == len(SHIMS) and all(s.gap and s.obsolete_when for s in SHIMS)
+
+
+def test_bf16_atomic_add_interpreted(interpreted) -> None:
+    """tl.atomic_add into bf16 (liger's MoE backward): lanes sharing an address and two programs all add, each
+    sum rounded to nearest even as on the GPU, a masked-off lane adds nothing; the old values come back
+    (bf16_atomic shim)."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def scatter_add(out_ptr, old_ptr, idx_ptr, val_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        on = offs < N - 1
+        old = tl.atomic_add(out_ptr + tl.load(idx_ptr + offs), tl.load(val_ptr + offs), mask=on)
+        tl.store(old_ptr + tl.program_id(0) * N + offs, old, mask=on)
+
+    idx = torch.tensor([0, 1, 0, 2, 0, 3, 1, 0], dtype=torch.int32)
+    val = torch.randn(8, generator=torch.Generator().manual_seed(0)) * 0.1
+    out = torch.randn(4, generator=torch.Generator().manual_seed(1)).bfloat16()
+    old = torch.zeros(2, 8, dtype=torch.bfloat16)
+    want, want_old = out.clone(), old.clone()
+    for program in range(2):  # one program after the other, lanes in order: the interpreter's (valid) schedule
+        for lane in range(7):  # lane 7 (address 0 again) is masked off
+            want_old[program, lane] = want[idx[lane]]
+            want[idx[lane]] = (want[idx[lane]].float() + val[lane].bfloat16().float()).bfloat16()
+    scatter_add[(2,)](out, old, idx, val, N=8)
+    assert torch.equal(out, want) and torch.equal(old, want_old)
 
 
 def test_a_nan_is_an_infinite_difference() -> None:

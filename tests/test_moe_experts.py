@@ -201,6 +201,18 @@ def test_liger_interpreted(monkeypatch) -> None:
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()), msg=name)
     provider = registry.get("liger", "moe_experts")
     assert "concatenated" in provider.supports(MoeExpertsPatch(target="X", op="moe_experts", **GPT_OSS))
+    # bf16, where `auto` picks liger: the backward's tl.atomic_add into bf16 runs (the bf16_atomic shim); output and
+    # every gradient no further from the fp32 loop than transformers' own bf16 loop is (2x, as the verifier's budget)
+    low = copy.deepcopy(experts).to(torch.bfloat16)
+    eager_out, eager = run(low, truth(low), torch.bfloat16, index, weights, x)
+    with interpreting():
+        bf16_out, bf16 = run(low, patched(low, {}, "liger"), torch.bfloat16, index, weights, x)
+    assert bf16_out.dtype == torch.bfloat16
+    for name, got_g, eager_g, want_g in [("output", bf16_out, eager_out, want_out),
+                                         *((n, bf16[n], eager[n], want[n]) for n in want)]:
+        scale = float(want_g.abs().max())
+        err, eager_err = (float((g.float() - want_g).abs().max()) / scale for g in (got_g, eager_g))
+        assert err <= 2 * eager_err + 1e-6, (name, err, eager_err)
 
 
 def test_keyword_call_and_signature_names() -> None:

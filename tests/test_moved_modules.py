@@ -83,8 +83,8 @@ print(json.dumps(out))
 
 
 def test_every_old_module_path_imports_as_the_same_module_and_warns_once() -> None:
-    done = subprocess.run([sys.executable, "-c", _IMPORT_EVERY_OLD_PATH], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EVERY_OLD_PATH], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
     assert set(found) == set(MOVED)
@@ -115,7 +115,7 @@ def test_an_old_path_is_the_new_module_for_isinstance_and_monkeypatching(monkeyp
 
 
 def test_python_dash_m_runs_a_command_module_by_its_old_path() -> None:
-    done = subprocess.run([sys.executable, "-m", "engine.matrix", "--help"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "engine.matrix", "--help"], check=False, cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert "render" in done.stdout and "run" in done.stdout
@@ -132,7 +132,7 @@ with warnings.catch_warnings(record=True) as caught:
 assert routing is new
 print([(w.category.__name__, w.filename, w.lineno) for w in caught])
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[('DeprecationWarning', '<string>', 6)]"

@@ -49,6 +49,10 @@ def test_fsdp2_fused_head_trains_like_unpatched_tied_and_untied(tmp_path) -> Non
                 worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
                 assert worst <= TOL, (embeddings, step, worst)
                 assert got.get("lm_head.weight", got["model.embed_tokens.weight"]).abs().max() > 0
+    # memory: a 2x regression of the fused head's peak under FSDP2 fails (today about a quarter of the unpatched)
+    for rank in range(WORLD):
+        peaks = torch.load(tmp_path / f"peak{rank}.pt")
+        assert peaks[True] <= 0.5 * peaks[False], peaks
     # the gradients compared are the reduced ones: equal on both ranks, whose batches differ
     for embeddings in ranks[0]:
         assert ranks[0][embeddings][1][0] != ranks[1][embeddings][1][0]

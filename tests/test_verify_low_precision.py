@@ -61,7 +61,12 @@ def test_a_wrong_kernel_still_fails_in_bf16(swiglu_kernels) -> None:
     report = engine.verify(model, raise_on_failure=False)
     failed = {(c.path, c.what) for c in report.failures}
     assert ("model.layers.0.mlp", "kernel") in failed
-    assert ("<model>", "loss") in failed and ("<model>", "grads") in failed
+    assert ("<model>", "loss") in failed
+    # Its gradients: over the per-tensor rule, named; whether that fails a bf16 model is the
+    # population's call (engine.verification.low_precision: here 1 of 25, which an equally valid
+    # bf16 run also reaches, so the loss and the module check are what fail it).
+    grads = next(c for c in report.checks if (c.path, c.what) == ("<model>", "grads"))
+    assert "differ by more than the original's own error allows" in grads.note, grads.note
     loss = next(c for c in report.checks if c.what == "loss")
     times = float(loss.note.split(" = ")[1].split("x ")[0])
     assert times > engine.verification.NOISE_FACTOR  # further from the original than its own rounding error
@@ -100,8 +105,10 @@ def test_a_kernel_one_percent_off_fails(one_percent_kernels) -> None:
     """What a 1% error meets: its forward fails the fp32 module check, run for every model dtype
     (in bf16 1% is about one rounding step, below what any check in bf16 can tell); a backward
     1% off, with the forward right so that no module check sees it, fails the whole model's
-    gradients of an fp32 model. In a bf16 model the original's own gradient error is larger than
-    1% (docs/verification.md, "Compiled kernels in bf16"), so there only the fp32 checks can see it.
+    gradients of an fp32 model. In a bf16 model one tensor's gradient error is larger than 1%
+    (docs/verification.md, "bf16 and fp16 models"): there a backward 1% off fails only where
+    many gradients carry it (tests/test_real_checkpoints.py, a norm's input gradient), not in
+    the one gradient it touches.
     """
     bf16 = tiny_for("qwen3", dtype=torch.bfloat16)
     forward = engine.verify(bf16, _with_swiglu_kernel("fwd1pct"), device="cpu", raise_on_failure=False)

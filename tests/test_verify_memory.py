@@ -1,15 +1,18 @@
 """The fp64 truth without a whole fp64 copy of a large embedding or LM head, and a chunked compare.
 
 A 262k-token vocabulary makes the embedding (tied to the head in Gemma 3) 1.3 GiB in fp64:
-the truth looks up only the rows it needs and multiplies by the head a block of rows at a
-time (:class:`engine.verification.truth._WideRows`, ``_WideLinear``). Here every parameter
+the truth looks up only the rows it needs, multiplies by the head a block of rows at a
+time and takes the cross-entropy of the scores a block of rows at a time
+(:class:`engine.verification.truth._WideRows`, ``_WideLinear``, ``_WideCrossEntropy``). Here every parameter
 counts as large (``_BIG = 0``), and the results must be those of the whole-copy path, which
 the tiny models otherwise take: logits, loss, every gradient (the tied weight's two uses summed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from engine.verification import models, probe_batch
 from engine.verification import truth as truth_mod
 from engine.verification.compare import compare
 from engine.verification.truth import GradientSink, fp64_truth
+from engine.verification.truth_layers import recomputed_layers
 
 
 def _truth(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict, set]:
@@ -39,6 +43,7 @@ def test_the_truth_in_blocks_equals_the_truth_with_whole_copies(family: str, mon
     model = tiny_for(family, tie_word_embeddings=True, pad_token_id=3)
     batch = probe_batch(model)
     batch["input_ids"][0, :3] = 3  # the padding row: no gradient from its lookups, as in F.embedding
+    batch["labels"] = batch["input_ids"].masked_fill(batch["input_ids"] == 3, -100)  # ignored: no loss, no gradient
     whole = _truth(model, batch)
     monkeypatch.setattr(truth_mod, "_BIG", 0)
     blocks = _truth(model, batch)
@@ -52,6 +57,71 @@ def test_the_truth_in_blocks_equals_the_truth_with_whole_copies(family: str, mon
         assert torch.allclose(blocks[2][name], grad, rtol=1e-10, atol=1e-12), name
     name = next(n for n, p in model.named_parameters() if p is embedding)
     assert blocks[2][name][3].abs().max() > 0  # the head's use still reaches the padding row
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_blockwise_cross_entropy_is_torch_s_in_fp64(reduction: str, monkeypatch) -> None:
+    monkeypatch.setattr(truth_mod, "_BIG", 64)  # blocks of one row: 64 // 8 elements of a 37-wide score row
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 37, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 37, (11,), generator=gen)
+    target[[2, 7]] = -100
+    seed = torch.randn(11, generator=gen, dtype=torch.float64)
+    with fp64_truth(None) as mode:
+        mine = torch.nn.functional.cross_entropy(x, target, reduction=reduction)
+    assert mine.grad_fn is not None and "WideCrossEntropy" in type(mine.grad_fn).__name__
+    want = torch.nn.functional.cross_entropy(x, target, reduction=reduction)
+    assert torch.allclose(mine, want, rtol=1e-13, atol=1e-15) and not mode.rounded
+    weight = seed if reduction == "none" else 1.0
+    (g_mine,) = torch.autograd.grad((mine * weight).sum(), x)
+    (g_want,) = torch.autograd.grad((want * weight).sum(), x)
+    assert torch.allclose(g_mine, g_want, rtol=1e-12, atol=1e-15) and bool((g_mine[[2, 7]] == 0).all())
+
+
+def _layered_truth(model: torch.nn.Module, batch: dict, *, layered: bool, seed: int = 0) -> tuple[Any, ...]:
+    """The truth through ``models``' path: decoder layers recomputed, head gradients handed over in row blocks."""
+    whole: dict[str, torch.Tensor] = {}
+    parts: dict[str, torch.Tensor] = {}
+    cover: dict[str, torch.Tensor] = {}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+
+    def part(name: str, rows: Any, values: torch.Tensor) -> None:
+        parts.setdefault(name, torch.zeros(shapes[name], dtype=torch.float64))[rows] = values
+        cover.setdefault(name, torch.zeros(shapes[name][0], dtype=torch.int64))[rows] += 1
+
+    done: list[str] = []
+    sink = GradientSink(whole.__setitem__, on_part=part if layered else None,
+                        on_done=done.append if layered else None)
+    truth = fp64_truth(model, sink)
+    torch.manual_seed(seed)
+    with recomputed_layers(model, truth.mode) if layered else contextlib.nullcontext(0) as layers:
+        with truth as mode:
+            out = model(**batch, use_cache=False)
+        out.loss.backward()
+    sink.flush()
+    assert not mode.rounded
+    return out.logits.detach(), out.loss.detach(), whole, parts, cover, done, layers
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3"])
+def test_the_truth_layer_by_layer_and_in_row_blocks_equals_the_truth_at_once(family: str, monkeypatch) -> None:
+    model = tiny_for(family, tie_word_embeddings=True, pad_token_id=3, attention_dropout=0.3).train()
+    batch = probe_batch(model)
+    batch["input_ids"][0, :3] = 3
+    monkeypatch.setattr(truth_mod, "_BIG", 0)  # the tied embedding and head go through the blockwise path
+    at_once = _layered_truth(model, batch, layered=False)
+    layered = _layered_truth(model, batch, layered=True)
+    assert layered[6] == model.config.num_hidden_layers  # every decoder layer recomputed in its backward
+    assert not torch.equal(_layered_truth(model, batch, layered=False, seed=1)[0], at_once[0])  # dropout draws
+    assert torch.equal(layered[0], at_once[0]) and torch.equal(layered[1], at_once[1])  # the same fp64 operations
+    name = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    assert name not in layered[2] and name in layered[5]  # never handed over whole: in row blocks, then done
+    assert bool((layered[4][name] == 1).all())  # each row exactly once, its final value
+    grads = {**layered[2], **layered[3]}
+    assert grads.keys() == at_once[2].keys() == {n for n, _ in model.named_parameters()}
+    for key, grad in at_once[2].items():
+        assert torch.equal(grads[key], grad), key  # bit for bit, dropout included
+    assert torch.equal(grads[name][3], at_once[2][name][3]) and grads[name][3].abs().max() > 0  # padding row: head only
 
 
 def test_compare_in_chunks_equals_compare_at_once(monkeypatch) -> None:
@@ -110,7 +180,7 @@ def test_each_held_buffer_lives_on_the_holding_device_and_gradients_leave_the_mo
     finally:
         engine.revert(model)
     trainable = sum(p.requires_grad for p in model.parameters())
-    assert len(kept) >= trainable + 6  # every original gradient, three logits and three losses
+    assert len(kept) >= trainable + 4  # every original gradient, two logits and two losses (the truth's: judged as made)
     assert all(where == torch.device("cpu") for _, where, _ in kept)
     grads = [others for _, _, others in kept if others]
     assert grads and max(grads) == 1  # the one gradient being taken, none left behind

@@ -87,6 +87,8 @@ def verify_module(
                 # measured to fail in this dtype, which this model does not run: shown, not counted
                 ok, note = True, f"not counted (the model is {DTYPE_NAMES.get(own, own)}): {why}"
             kernel_checks.append(Check(d.path, d.cls, d.op, "kernel", DTYPE_NAMES[dtype], ma, mr, ok, note, d.kernel))
+        if clone is not module:  # its patched forward refers to it, a reference cycle that only the cyclic garbage
+            clone.to("meta")     # collector frees, later: its weights are released now (1.7 GiB on a ~1B model)
         del clone
     declared_exact = all(is_exact(r) for _, r in decl_results)
     fits = [label for label, exact in alt_exact.items() if exact]

@@ -17,7 +17,9 @@ transformers' own fp32 model is, and the "truth" flatters the original.
   ``.type(...)``, ``softmax(dtype=torch.float32)``, ``torch.zeros(dtype=...)``) becomes fp64;
 * never upcasts a large parameter (over :data:`_BIG` elements) whole: ``F.embedding`` upcasts
   the looked-up rows, ``F.linear`` blocks of the weight in turn (:class:`_WideRows`,
-  :class:`_WideLinear`: Gemma 3's tied 262k x 640 embedding is 1.3 GiB in fp64);
+  :class:`_WideLinear`: Gemma 3's tied 262k x 640 embedding is 1.3 GiB in fp64), and a
+  cross-entropy of large ``[tokens, vocab]`` scores runs a block of rows at a time without
+  keeping its log-softmax (:class:`_WideCrossEntropy`);
 * counts any floating-point result that is still not fp64 (:attr:`Fp64.rounded`), so a caller
   can check that nothing rounded (tests assert it is empty).
 
@@ -41,6 +43,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from engine.verification.truth_sink import GradientSink
+
 __all__ = ["Fp64", "GradientSink", "fp64_truth"]
 
 _LOWER = (torch.float32, torch.float16, torch.bfloat16)
@@ -58,60 +62,6 @@ def _in_place(func: Any) -> bool:
 
 
 _IN_PLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
-
-
-class GradientSink:
-    """Sums the fp64 gradient of each use of a parameter; calls ``on_complete(name, grad)`` after its last use."""
-
-    def __init__(self, on_complete: Callable[[str, torch.Tensor], None], held: torch.device | None = None):
-        self.on_complete = on_complete
-        #: where partial sums wait for a parameter's other uses (the host, for a model on an accelerator: a tied
-        #: embedding's fp64 gradient waits there from the head's backward to the lookup's)
-        self.held = held
-        self.uses: dict[str, int] = {}
-        self.arrived: dict[str, int] = {}
-        self.partial: dict[str, torch.Tensor] = {}
-        self._owned: set[str] = set()  # partial sums the sink made itself: safe to add into in place
-
-    def used(self, name: str) -> None:
-        self.uses[name] = self.uses.get(name, 0) + 1
-
-    def receive(self, name: str, grad: torch.Tensor, owned: bool = False) -> None:
-        """One use's gradient; ``owned``: nobody else holds ``grad``, so later uses may be added into it."""
-        held = self.partial.pop(name, None)
-        if held is None:
-            total = grad
-        elif name in self._owned:
-            total = held.add_(grad.to(held.device))
-        else:
-            total, owned = held + grad.to(held.device), True
-        self._settle(name, total, owned)
-
-    def receive_rows(self, name: str, index: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> None:
-        """One lookup's gradient as the rows it touched (``grad[index[i]] += rows[i]``): no dense copy per use."""
-        held = self.partial.pop(name, None)
-        if held is None or name not in self._owned:
-            device = self.held if self.held is not None else rows.device
-            held = torch.zeros(shape, dtype=rows.dtype, device=device) if held is None else held.clone()
-        self._settle(name, held.index_add_(0, index.to(held.device), rows.to(held.device)), True)
-
-    def _settle(self, name: str, total: torch.Tensor, owned: bool) -> None:
-        self._owned.discard(name)
-        self.arrived[name] = self.arrived.get(name, 0) + 1
-        if self.arrived[name] >= self.uses.get(name, 0):
-            self.on_complete(name, total)
-        else:
-            if self.held is not None and total.device != self.held:
-                total, owned = total.to(self.held), True
-            self.partial[name] = total
-            if owned:
-                self._owned.add(name)
-
-    def flush(self) -> None:
-        """Deliver parameters some of whose uses never reached the loss (their gradient is what arrived)."""
-        for name in list(self.partial):
-            self.on_complete(name, self.partial.pop(name))
-        self._owned.clear()
 
 
 class _Upcast(torch.autograd.Function):
@@ -171,6 +121,14 @@ class _WideLinear(torch.autograd.Function):
         w = ctx.p.detach()
         g, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = x2.new_zeros(x2.shape)
+        if ctx.sink is not None and ctx.sink.streams(ctx.name):  # the weight's gradient never whole
+            def parts() -> Iterator[tuple[int, torch.Tensor]]:
+                for s, block in _blocks(w):
+                    gs = g[:, s:s + block.shape[0]]
+                    grad_x.addmm_(gs, block)
+                    yield s, gs.T @ x2
+            ctx.sink.receive_blocks(ctx.name, w.shape[0], parts())
+            return grad_x.reshape(x.shape), None, g.sum(0) if ctx.has_bias else None, None, None
         grad_w = x2.new_empty(w.shape) if ctx.sink is not None else None
         for s, block in _blocks(w):
             gs = g[:, s:s + block.shape[0]]
@@ -180,6 +138,50 @@ class _WideLinear(torch.autograd.Function):
         if grad_w is not None:
             ctx.sink.receive(ctx.name, grad_w, owned=True)
         return grad_x.reshape(x.shape), None, g.sum(0) if ctx.has_bias else None, None, None
+
+
+class _WideCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy`` of ``[tokens, vocab]`` fp64 scores a block of rows at a time: no log-softmax is kept.
+
+    Why: torch's keeps its ``[tokens, vocab]`` log-softmax for the backward and makes two more of
+    that size there; in fp64 (Gemma 3's 262k vocabulary, 320 tokens: 640 MiB each) they were
+    the truth's peak. Here the forward keeps one logsumexp per row, and the backward writes the
+    scores' gradient ``(softmax - onehot) * scale`` block by block: the scores and their gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, ignore: int, reduction: str) -> torch.Tensor:  # type: ignore[override]
+        valid = target != ignore
+        safe = target.masked_fill(~valid, 0)
+        lse = x.new_empty(x.shape[0])
+        for s, e in _row_blocks(x):
+            lse[s:e] = torch.logsumexp(x[s:e], dim=-1)
+        losses = (lse - x.gather(1, safe.unsqueeze(1)).squeeze(1)).masked_fill(~valid, 0.0)
+        ctx.save_for_backward(x, lse, safe, valid)
+        ctx.reduction = reduction
+        if reduction == "none":
+            return losses
+        return losses.sum() if reduction == "sum" else losses.sum() / valid.sum()  # all ignored: nan, as torch
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, lse, safe, valid = ctx.saved_tensors
+        if ctx.reduction == "none":
+            scale = grad * valid
+        else:
+            scale = (grad if ctx.reduction == "sum" else grad / valid.sum()).expand(x.shape[0]) * valid
+        out = torch.empty_like(x)
+        for s, e in _row_blocks(x):
+            block = torch.exp(x[s:e] - lse[s:e, None])
+            block.scatter_add_(1, safe[s:e, None], block.new_full((e - s, 1), -1.0))
+            out[s:e] = block.mul_(scale[s:e, None])
+        return out, None, None, None
+
+
+def _row_blocks(x: torch.Tensor) -> Iterator[tuple[int, int]]:
+    step = max(1, (_BIG // 8) // max(1, x.shape[-1]))
+    for s in range(0, x.shape[0], step):
+        yield s, min(s + step, x.shape[0])
 
 
 def _blocks(w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
@@ -237,6 +239,34 @@ class Fp64(TorchFunctionMode):
         self.sink = sink
         self.rounded: dict[str, int] = {}
         self._upcasts: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        #: inside a layer run without a graph that its backward recomputes (:mod:`.truth_layers`): uses are
+        #: counted now (the sink must know every use before the first gradient arrives) ...
+        self.counting = False
+        #: ... and not again in the recomputation, which builds the graph the gradients come from
+        self.recomputing = False
+
+    def _sink_for(self, param: torch.Tensor) -> GradientSink | None:
+        """The sink when this use of ``param`` sends it a gradient now; ``None`` otherwise."""
+        if self.sink is None or not param.requires_grad:
+            return None
+        return self.sink if torch.is_grad_enabled() else None
+
+    def _use(self, name: str, param: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        """Count one use of a trainable ``param`` with the sink (once: not again when recomputed)."""
+        if self.sink is not None and param.requires_grad and not self.recomputing and (
+                torch.is_grad_enabled() or self.counting):
+            self.sink.used(name, ids)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Fp64]:
+        """The mode active, with fp64 as default dtype and parameters saved by reference (entered again to recompute)."""
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # ``torch.zeros(shape)`` and ``torch.tensor(0.5)`` too
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), self:
+                yield self
+        finally:
+            torch.set_default_dtype(default)
 
     def _up(self, value: Any) -> Any:
         if isinstance(value, torch.dtype):
@@ -247,8 +277,8 @@ class Fp64(TorchFunctionMode):
         if entry is None:
             return value.to(torch.float64)
         name, param = entry
-        if self.sink is not None and param.requires_grad and torch.is_grad_enabled():
-            self.sink.used(name)
+        self._use(name, param)
+        if self._sink_for(param) is not None:
             wide = _Upcast.apply(param, self.sink, name)
         else:
             wide = param.detach().to(torch.float64)
@@ -281,6 +311,8 @@ class Fp64(TorchFunctionMode):
 
     def _wide(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
         """A lookup in, or a linear layer by, a large parameter, without its whole fp64 copy; ``None``: not one."""
+        if func is torch.nn.functional.cross_entropy:
+            return self._cross_entropy(args, kwargs)
         if func is torch.nn.functional.embedding:
             names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
                             "sparse")
@@ -293,21 +325,32 @@ class Fp64(TorchFunctionMode):
         if entry is None or entry[1].numel() <= _BIG:
             return None
         name, param = entry
-        sink = self.sink if self.sink is not None and param.requires_grad and torch.is_grad_enabled() else None
+        sink = self._sink_for(param)
         if func is torch.nn.functional.embedding:
             if bound.get("max_norm") is not None or bound.get("scale_grad_by_freq") or bound.get("sparse"):
                 return None
             padding = bound.get("padding_idx")
             if padding is not None and padding < 0:
                 padding += param.shape[0]
+            self._use(name, param, bound["input"])
             if sink is not None:
-                sink.used(name)
                 return _WideRows.apply(param, bound["input"], padding, sink, name)
             return param.detach()[bound["input"]].to(torch.float64)
         x, bias = self._up(bound["input"]), self._up(bound.get("bias"))
-        if sink is not None:
-            sink.used(name)
+        self._use(name, param)
         return _WideLinear.apply(x, param, bias, sink, name)
+
+    def _cross_entropy(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """Class-index cross-entropy of large ``[tokens, vocab]`` scores, blockwise; ``None``: another kind."""
+        names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+        b = dict(zip(names, args, strict=False)) | kwargs
+        x, target = b.get("input"), b.get("target")
+        if (not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor) or x.dim() != 2
+                or target.dim() != 1 or target.is_floating_point() or x.numel() <= _BIG
+                or b.get("weight") is not None or b.get("size_average") is not None or b.get("reduce") is not None
+                or b.get("label_smoothing", 0.0) or b.get("reduction", "mean") not in ("mean", "sum", "none")):
+            return None
+        return _WideCrossEntropy.apply(self._up(x), target, b.get("ignore_index", -100), b.get("reduction", "mean"))
 
     def _count(self, func: Any, out: Any) -> Any:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64:
@@ -346,12 +389,8 @@ class fp64_truth:
 
     def __enter__(self) -> Fp64:
         with contextlib.ExitStack() as stack:
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.float64)  # ``torch.zeros(shape)`` and ``torch.tensor(0.5)`` too
-            stack.callback(torch.set_default_dtype, default)
             stack.callback(self.mode._upcasts.clear)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.mode.pack, self.mode.unpack))
-            stack.enter_context(self.mode)
+            stack.enter_context(self.mode.scope())
             self._stack = stack.pop_all()
         return self.mode
 

@@ -1,7 +1,8 @@
 """The interpreter's verdicts vs the GPU's: the same verify, check by check, on CPU (interpreted) and on CUDA.
 
 ``python tests/gpu/interpret_vs_gpu.py [NAMES...] [--out DIR]`` on a GPU machine (tests/gpu/device_check.sh
-runs it). For each patchset: its tiny model, one 8-token sequence, a sample of each patched class; verify
+runs it). A name may end in ``@bf16`` (a bf16 tiny model; fp32 otherwise). For each patchset: its tiny model,
+one 8-token sequence, a sample of each patched class; verify
 with the CUDA plan (a) on the CPU with the vendor kernels interpreted
 (:mod:`engine.kernels.triton_interpret`) and (b) on the GPU. Writes ``interpret_vs_gpu.{json,md}``: per
 check, pass/fail and the max abs difference on each side. Exit 1 when a verdict differs. Without a CUDA
@@ -19,8 +20,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 #: one per distinct kernel call (as .ci/interpret), plus the verdicts docs/devices.md asks a GPU to confirm
+#: (glm4v's 8-token gradients; liger's fused MoE in a bf16 model, its backward's bf16 atomic_add interpreted)
 DEFAULT = ("qwen3", "gemma3", "gemma", "llama4", "qwen2_5_vl", "nemotron", "deepseek_v32", "qwen3_flce",
-           "glm4_moe_lite", "qwen3_5_text", "glm4v")
+           "glm4_moe_lite", "qwen3_5_text", "glm4v", "qwen3_moe@bf16")
 
 
 def _checks(report: Any) -> dict[str, dict[str, Any]]:
@@ -28,7 +30,7 @@ def _checks(report: Any) -> dict[str, dict[str, Any]]:
                                                   "kernel": c.kernel} for c in report.checks}
 
 
-def _verify(name: str, device: str) -> dict[str, Any]:
+def _verify(spec: str, device: str) -> dict[str, Any]:
     import torch
 
     import engine
@@ -37,8 +39,9 @@ def _verify(name: str, device: str) -> dict[str, Any]:
     from engine.tiny import build_tiny_for
     from engine.verification import probe_batch
 
+    name, _, dtype = spec.partition("@")
     ps = load_patchset(name)
-    model = build_tiny_for(ps, None, dtype=torch.float32)
+    model = build_tiny_for(ps, None, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     batch = probe_batch(model, batch=1, seq=8)
     try:
         if device == "interpret":
