@@ -137,14 +137,16 @@ def alive_at_peak(prof: Any, floor_mib: float = 8.0) -> list[tuple[float, str]]:
     return sorted(big, reverse=True)
 
 
-def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int], lean: bool) -> dict[str, Any]:
+def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int], lean: bool,
+                bucket: int | None = None) -> dict[str, Any]:
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     import engine
 
-    ds_config = {**DS_CONFIG, "zero_optimization": DS_CONFIG["zero_optimization"] | (LEAN if lean else {})}
+    ds_config = {**DS_CONFIG, "zero_optimization": DS_CONFIG["zero_optimization"] | (LEAN if lean else {})
+                 | ({"reduce_bucket_size": bucket} if bucket else {})}
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  transformers builds the model under zero.Init while this lives
     config = AutoConfig.for_model("qwen3", **(CONFIG | sizes), tie_word_embeddings=tied)
     vocab, hidden = config.vocab_size, config.hidden_size
@@ -171,7 +173,7 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     row = {"framework": "zero3-lean" if lean else "zero3", "hidden": hidden, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
            "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": head_external, "peak_ops": PEAK_OPS,
-           "alive_at_peak": ALIVE_AT_PEAK}
+           "alive_at_peak": ALIVE_AT_PEAK, "reduce_bucket_size": bucket}
     if variant != "unpatched":
         engine.revert(model)
     ds_engine.destroy()
@@ -216,7 +218,7 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
 
 
 def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: str, sizes: dict[str, int],
-           lean: bool = False, rank1_seq: int | None = None) -> None:
+           lean: bool = False, rank1_seq: int | None = None, bucket: int | None = None) -> None:
     if rank == 1 and rank1_seq:  # a shorter sequence on rank 1 (only rank 0's row is then the measurement)
         seq = rank1_seq
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
@@ -228,7 +230,7 @@ def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: s
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
-            row = run_variant(variant, tied, seq, rank, sizes, lean)
+            row = run_variant(variant, tied, seq, rank, sizes, lean, bucket)
         else:
             row = run_fsdp2(variant, tied, seq, rank, sizes)
         Path(f"{out}/rows{rank}.json").write_text(json.dumps([row]))
@@ -237,8 +239,14 @@ def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: s
 
 
 def key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (FRAMEWORKS.index(row["framework"]), row.get("hidden", HIDDEN), row["seq"], row["tied"],
-            VARIANTS.index(row["variant"]), row["rank"])
+    return (FRAMEWORKS.index(row["framework"]), row.get("reduce_bucket_size") or 0, row.get("hidden", HIDDEN),
+            row["seq"], row["tied"], VARIANTS.index(row["variant"]), row["rank"])
+
+
+def label(row: dict[str, Any]) -> str:
+    """The framework column: ZeRO-3 with a ``reduce_bucket_size`` other than its default says which."""
+    bucket = row.get("reduce_bucket_size")
+    return row["framework"] + (f" (reduce_bucket_size {bucket:.0e})".replace("e+0", "e") if bucket else "")
 
 
 def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
@@ -256,18 +264,18 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
          "| MiB held when the backbone starts | head registered on the root | s |"),
         "|---|---:|---:|---|---|---:|---:|---:|---|---:|",
     ]
-    base = {(r["framework"], r.get("hidden", HIDDEN), r["seq"], r["tied"], r["rank"]): r["peak_mib"]
+    base = {(label(r), r.get("hidden", HIDDEN), r["seq"], r["tied"], r["rank"]): r["peak_mib"]
             for r in rows if r["variant"] == "unpatched"}
     pairs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in sorted(rows, key=key):
         pairs.setdefault(key(r)[:-1], []).append(r)
     for group in pairs.values():
         r = group[0]
-        ids = [(g["framework"], g.get("hidden", HIDDEN), g["seq"], g["tied"], g["rank"]) for g in group]
+        ids = [(label(g), g.get("hidden", HIDDEN), g["seq"], g["tied"], g["rank"]) for g in group]
         ratios = [g["peak_mib"] / base[i] if i in base else float("nan") for g, i in zip(group, ids)]
         registered = {None: "-", True: "yes", False: "no"}[r["head_registered_on_root"]]
         lines.append(
-            f"| {r['framework']} | {r.get('hidden', HIDDEN)} | {r['seq']} | {'tied' if r['tied'] else 'untied'} | {r['variant']} | "
+            f"| {label(r)} | {r.get('hidden', HIDDEN)} | {r['seq']} | {'tied' if r['tied'] else 'untied'} | {r['variant']} | "
             + " / ".join(f"{g['peak_mib']:.0f}" for g in group) + " | "
             + " / ".join(f"{x:.2f}x" for x in ratios) + " | "
             + " / ".join(f"{g['mib_when_backbone_starts']:.0f}" for g in group)
@@ -278,7 +286,7 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
         if r["rank"] == 0 and r.get("alive_at_peak") is not None:
             alive = "; ".join(f"{mib:.0f} {chain.split(' < ')[0]}" + (f" ({chain.split(' < ')[-1]})" if " < " in chain else "")
                               for mib, chain in r["alive_at_peak"] if mib >= 64)
-            lines.append(f"- {r['framework']} {r['seq']} {'tied' if r['tied'] else 'untied'} {r['variant']}: "
+            lines.append(f"- {label(r)} {r['seq']} {'tied' if r['tied'] else 'untied'} {r['variant']}: "
                          f"at {' > '.join(r['peak_ops'][:3])}; alive: {alive}")
     lines += ["", "Commands (each adds its rows to the file):", ""] + [f"    {c}" for c in commands] + [""]
     return "\n".join(lines)
@@ -311,6 +319,9 @@ def main() -> None:
                         help="rank 1 runs this many tokens instead (its row is dropped): rank 0's peak at --seq "
                              "where two full-length ranks do not fit in this machine's memory")
     parser.add_argument("--append", action="store_true", help="keep the file's other rows (replacing the ones rerun)")
+    parser.add_argument("--reduce-bucket-size", type=float, default=None,
+                        help="ZeRO-3's reduce_bucket_size in elements (default: DeepSpeed's, 5e8); e.g. 5e7, below "
+                             "the head's [V, H] so its gradient is not copied into one bucket with all the others")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -331,7 +342,8 @@ def main() -> None:
                 for variant in args.variants:
                     with tempfile.TemporaryDirectory() as out:
                         args_ = (out, framework.removesuffix("-lean"), seq, tied, variant, sizes,
-                                 framework.endswith("-lean"), args.rank1_seq)
+                                 framework.endswith("-lean"), args.rank1_seq,
+                                 int(args.reduce_bucket_size) if args.reduce_bucket_size else None)
                         mp.spawn(worker, args=args_, nprocs=WORLD, join=True)
                         ranks = [0] if args.rank1_seq else range(WORLD)  # rank 1 then ran another length
                         new = [row | {"rank1_seq": args.rank1_seq} for rank in ranks
