@@ -32,7 +32,13 @@ from torch import nn
 from engine.patching.patcher import original_forwards
 from engine.runtime.hub_functions import torch_path
 from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, max_abs, max_abs_diff, noise_note
-from engine.verification.low_precision import LOW_PRECISION, judge_loss, judge_population, tensor_limit, token_loss_noise
+from engine.verification.low_precision import (
+    LOW_PRECISION,
+    judge_loss,
+    judge_population,
+    tensor_limit,
+    token_loss_noise,
+)
 from engine.verification.results import MODEL, Check
 from engine.verification.truth import GradientSink, fp64_truth
 from engine.verification.truth_layers import recomputed_layers
