@@ -178,6 +178,7 @@ def one_row(row: str) -> dict[str, Any]:
             "modules": modules, "tokens": list(batch["input_ids"].shape), "model_mib": model_mib,
             "step_mib": step_peak, "step_s": step_s, "verify_mib": peak / MIB, "verify_s": verify_s, "warm_s": warm_s,
             "budget_mib": step_peak + model_mib, "passed": report.passed, "failed": failed[:5], "phases": merged,
+            "model_checks": {c.what: [c.passed, c.note] for c in report.checks if c.path == "<model>"},
             "forced_compiled": kernels == "compiled", "timed": TIMED, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 

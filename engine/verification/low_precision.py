@@ -23,6 +23,13 @@ the two real checkpoints). For ``n`` judged tensors and a false-failure probabil
   tensors a little (a backward 1% off that every layer's gradient carries) fails though no
   tensor alone is improbable.
 
+The loss (:func:`judge_loss`) is one scalar, not a population: a mean over the batch's ``N``
+tokens of per-token cross-entropies, each carrying its own bf16 rounding error ``e_i`` (1e-3 to
+1e-2). The original's distance from fp64 is *one* draw of the mean of those errors, sometimes
+far below its typical size ``sqrt(sum e_i**2) / N`` (SmolLM2 bf16: 7.4e-5 where the typical size
+is several times that). So the loss's noise is ``max(own error, sqrt(sum e_i**2) / N)``, the
+``e_i`` measured in fp64 from the original's and the truth's logits the verification already holds.
+
 fp32 (and fp64) models keep the per-tensor rule unchanged: there every tensor must pass.
 """
 
@@ -33,7 +40,10 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ALPHA", "LOW_PRECISION", "P_OVER", "TAIL_INDEX", "count_limit", "judge_population", "tensor_limit"]
+from engine.verification.compare import FLOOR_ULPS, max_abs, max_abs_diff, noise_note, ulp
+
+__all__ = ["ALPHA", "LOSS_NOISE_FACTOR", "LOW_PRECISION", "P_OVER", "TAIL_INDEX", "count_limit", "judge_loss",
+           "judge_population", "tensor_limit", "token_loss_noise"]
 
 #: Model dtypes judged by this rule (the others by the per-tensor rule).
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -76,3 +86,67 @@ def judge_population(ratios: Sequence[float]) -> tuple[bool, str]:
     if over > most:
         return False, f"{over} of {n} over their limit, more than the {most} an equally valid low-precision run reaches"
     return True, ""
+
+
+#: ``k`` for the loss: it passes within ``k x max(own error, sqrt(sum e_i**2) / N) + 1 ulp`` of the
+#: original. Ground: the loss is the mean of ``N`` (hundreds of) independent per-token rounding
+#: errors, so by the central limit theorem each valid run's loss error is ~Normal with standard
+#: deviation ``sigma = sqrt(sum e_i**2) / N``; a patched run is another such sample, whose rounding may
+#: be up to 2x the original's (the per-tensor rule's allowance, ``NOISE_FACTOR`` = 3), so
+#: ``patched - original`` has standard deviation up to ``sqrt(1 + 2**2) sigma = 2.24 sigma``; a two-sided
+#: false-failure probability of :data:`ALPHA` (z = 2.576) needs ``k >= 5.76``: 6.
+LOSS_NOISE_FACTOR = 6.0
+
+#: Elements (fp64) of one block of logits when the per-token errors are measured: two such blocks at a time.
+_BLOCK = 1 << 21
+
+
+def token_loss_noise(logits: torch.Tensor, exact: torch.Tensor, labels: torch.Tensor, exact_loss: torch.Tensor,
+                     ignore_index: int = -100) -> float | None:
+    """``sqrt(sum e_i**2) / N``: the typical size of the mean of the per-token loss errors, or ``None``.
+
+    ``e_i = CE_i(logits) - CE_i(exact)`` in fp64, with transformers' causal-LM loss (``ForCausalLMLoss``:
+    position ``t`` predicts ``labels[t + 1]``, ``ignore_index`` skipped, the mean over the ``N`` valid
+    tokens). ``logits`` are the original's (held, maybe on the host), ``exact`` the truth's fp64 ones.
+    Blockwise over tokens: never more than two ``_BLOCK``-sized fp64 blocks beside the held logits.
+    ``None`` where this is not the model's loss (the truth's loss is not the mean of its per-token
+    cross-entropies, e.g. a model with another loss): the caller keeps the plain rule there.
+    """
+    if logits.dim() != 3 or logits.shape != exact.shape or labels.shape != logits.shape[:2]:
+        return None
+    vocab, device = logits.shape[-1], exact.device
+    target = labels.to(device)[:, 1:]  # position t predicts label t + 1 (transformers pads the shifted end)
+    valid = target != ignore_index
+    n = int(valid.sum())
+    if n == 0:
+        return None
+    step = max(1, _BLOCK // max(1, vocab))
+    squares = exact_sum = 0.0
+    for b in range(target.shape[0]):  # views of one sequence's rows: no copy of the whole logits
+        for s in range(0, target.shape[1], step):
+            e = min(s + step, target.shape[1])
+            ok = valid[b, s:e]
+            safe = target[b, s:e].masked_fill(~ok, 0).unsqueeze(1)
+            losses = []
+            for x in (logits[b, s:e].to(device=device, dtype=torch.float64), exact[b, s:e].detach().to(torch.float64)):
+                losses.append((torch.logsumexp(x, dim=-1) - x.gather(1, safe).squeeze(1)).masked_fill(~ok, 0.0))
+                del x
+            squares += float((losses[0] - losses[1]).square().sum())
+            exact_sum += float(losses[1].sum())
+    truth_loss = float(exact_loss)
+    if not math.isfinite(truth_loss) or abs(exact_sum / n - truth_loss) > 1e-9 * max(1.0, abs(truth_loss)):
+        return None  # not the causal-LM cross-entropy transformers takes: no claim about its noise
+    return math.sqrt(squares) / n
+
+
+def judge_loss(got: torch.Tensor, original: torch.Tensor, truth: torch.Tensor, typical: float) -> tuple[bool, str]:
+    """Whether the patched loss is within :data:`LOSS_NOISE_FACTOR` x its noise of the original's; ``(passed, note)``.
+
+    The noise is ``max(|original - truth|, typical)``, ``typical`` from :func:`token_loss_noise`.
+    """
+    diff, own = max_abs_diff(got, original), max_abs_diff(original, truth)
+    noise = max(own, typical)
+    limit = LOSS_NOISE_FACTOR * noise + FLOOR_ULPS * ulp(max_abs(truth), original.dtype)
+    note = noise_note(diff, own, max_abs_diff(got, truth))
+    note += f"; the mean's typical error sqrt(sum e_i^2)/N {typical:.2g}: limit {limit:.2g}"
+    return diff <= limit, note

@@ -32,7 +32,13 @@ from torch import nn
 from engine.patching.patcher import original_forwards
 from engine.runtime.hub_functions import torch_path
 from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, max_abs, max_abs_diff, noise_note
-from engine.verification.low_precision import LOW_PRECISION, judge_population, tensor_limit
+from engine.verification.low_precision import (
+    LOW_PRECISION,
+    judge_loss,
+    judge_population,
+    tensor_limit,
+    token_loss_noise,
+)
 from engine.verification.results import MODEL, Check
 from engine.verification.truth import GradientSink, fp64_truth
 from engine.verification.truth_layers import recomputed_layers
@@ -131,9 +137,10 @@ def _compare(
     checks: list[Check] = []
 
     def judge_values(truth: dict[str, Any]) -> None:
+        typical = _loss_noise(waiting, head, truth, batch)
         for key in list(waiting):
             what, got, want = waiting.pop(key)
-            checks.append(_value_check(cls, what, dtype, got, want, truth.get(key)))
+            checks.append(_value_check(cls, what, dtype, got, want, truth.get(key), typical if key == "loss" else None))
 
     rounded: list[str] = []
     if not exact and not grads.missing:
@@ -313,12 +320,32 @@ def _worst(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
-def _value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.Tensor, truth: Any) -> Check:
+def _loss_noise(waiting: dict[str, Any], head: str, truth: dict[str, Any], batch: dict[str, Any]) -> float | None:
+    """A bf16/fp16 causal LM's loss noise from the original's and the truth's logits (``token_loss_noise``), or None.
+
+    None (the plain rule) for fp32, a base model (no logits, a surrogate loss), no labels, or a loss
+    that is not transformers' causal-LM cross-entropy. The original and the truth run the unfused
+    head, so this holds when the patched model's head is fused too.
+    """
+    labels, exact = batch.get("labels"), truth.get(head)
+    if head != "logits" or head not in waiting or "loss" not in truth or not isinstance(labels, torch.Tensor):
+        return None
+    original = waiting[head][2]
+    if original.dtype not in LOW_PRECISION or exact is None:
+        return None
+    return token_loss_noise(original, exact, labels, truth["loss"])
+
+
+def _value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.Tensor, truth: Any,
+                 typical: float | None = None) -> Check:
     ma, mr, _ = compare(got, want)
     if got.dtype == want.dtype and torch.equal(got, want):
         return Check(MODEL, cls, "-", what, dtype, ma, mr, True)
     if truth is None:
         return Check(MODEL, cls, "-", what, dtype, ma, mr, False, "not judged: a gradient is missing")
+    if typical is not None and got.shape == want.shape and got.dtype == want.dtype:  # a low-precision loss
+        passed, note = judge_loss(got, want, truth, typical)
+        return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
     # a low-precision model's logits and loss: two tensors judged as the gradients' population is
     passed, note = judge(got, want, truth, tensor_limit(2) if want.dtype in LOW_PRECISION else 1.0)
     return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
