@@ -17,6 +17,7 @@ from snapshots import assert_same, snapshot
 from transformers.models.qwen3 import modeling_qwen3
 
 import engine
+from engine.patching.patcher import STATE_ATTR
 from engine.runtime import routing
 from engine.schema import Activation
 from engine.tiny import build_tiny_model
@@ -230,3 +231,49 @@ def test_a_vision_only_model_is_probed_with_images_from_its_config() -> None:
     assert torch.allclose(both[:, :patches], first, atol=1e-5)
     assert not torch.allclose(both[:, :patches], both[:, patches:], atol=1e-3)
     assert "input_ids" in probe_batch(tiny_for("qwen3"))  # a token-id model is probed as before
+
+
+def test_the_whole_model_check_records_the_module_inputs_without_a_forward_of_its_own() -> None:
+    """With the model check on, the modules' inputs come from the original's run and the functions'
+    from the patched run: two forwards of the model (was three), each check still there and passing;
+    without it, one capturing forward under no_grad."""
+    model = build_tiny_model("qwen3")
+    calls: list[tuple[bool, bool]] = []
+    model.register_forward_pre_hook(lambda m, a, k: calls.append((torch.is_grad_enabled(), "labels" in k)),
+                                    with_kwargs=True)
+    engine.apply(model, "qwen3", device="cpu")
+    decisions = [d for d in model.__dict__[STATE_ATTR].report.decisions if d.action == "patch"]
+    report = engine.verify(model, modules="all")
+    assert calls == [(True, True), (True, True)]  # the original's run and the patched run, nothing else
+    checked = {c.path for c in report.checks if c.what == "declaration"} | {
+        c.path for c in report.checks if c.cls == "function"}
+    assert checked == {d.path for d in decisions}  # every module and function was checked
+    assert report.passed and not [c for c in report.checks if c.what == "called"]
+    calls.clear()
+    assert engine.verify(model, modules="all", check_model=False).passed
+    assert calls == [(False, False)]
+
+
+def test_the_difference_of_two_results_is_measured_without_touching_them() -> None:
+    """``compare`` works in fp32 for fp32/bf16 inputs: the same numbers as an fp64 computation at
+    the judge's resolution, NaN and infinity where they are, the caller's tensors unchanged."""
+    from engine.verification.compare import compare, max_abs_diff
+
+    gen = torch.Generator().manual_seed(0)
+    want = torch.randn(3_000_000, generator=gen)
+    got = want + torch.randn(3_000_000, generator=gen) * 1e-6
+    kept = (got.clone(), want.clone())
+    ma, mr, ok = compare(got, want)
+    exact = (got.double() - want.double()).abs()
+    assert ma == pytest.approx(float(exact.max()), rel=1e-6) and ok
+    assert mr == pytest.approx(float((exact / want.double().abs().clamp_min(1e-12)).max()), rel=1e-5)
+    assert torch.equal(got, kept[0]) and torch.equal(want, kept[1])
+    assert compare(want, want.clone()) == (0.0, 0.0, True)
+    assert compare(want.bfloat16(), want.bfloat16())[0] == 0.0
+    off = want.clone()
+    off[7] = float("nan")
+    assert compare(off, want)[2] is False and compare(off, off.clone()) == (0.0, 0.0, True)
+    off[7] = float("inf")
+    assert compare(off, want) == (float("inf"), float("inf"), False)
+    truth = want.double() + 1e-9
+    assert max_abs_diff(truth, want) == pytest.approx(1e-9, rel=1e-6)

@@ -43,7 +43,7 @@ from engine.verification.results import MODEL, Check
 from engine.verification.truth import GradientSink, fp64_truth
 from engine.verification.truth_layers import recomputed_layers
 
-__all__ = ["Offload", "compare_models", "hold", "holding_device", "seeded", "surrogate_loss"]
+__all__ = ["Alongside", "Offload", "compare_models", "hold", "holding_device", "seeded", "surrogate_loss"]
 
 _SEED = 0x5EED
 
@@ -68,6 +68,20 @@ def holding_device(model: nn.Module, offload: Offload = "auto") -> torch.device:
     return torch.device("cpu" if offload == "host" else offload)
 
 
+@dataclass
+class Alongside:
+    """What a caller runs alongside the whole-model check, so that it needs no forward of its own.
+
+    ``during_original()`` and ``during_patched()`` are entered around those runs (e.g. hooks
+    recording the inputs each patched module receives); ``after_original()`` runs between them,
+    once the original's outputs are held (e.g. the module checks on what was recorded).
+    """
+
+    during_original: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    after_original: Callable[[], None] = lambda: None
+    during_patched: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+
+
 def hold(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` detached, on ``device`` (no copy where it already is)."""
     return t.detach().to(device)
@@ -75,13 +89,14 @@ def hold(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def compare_models(
     patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None = None,
-    *, offload: Offload = "auto",
+    *, offload: Offload = "auto", alongside: Alongside | None = None,
 ) -> list[Check]:
     """Logits, loss and parameter gradients of ``patched`` vs its original (``reference``, default: itself unpatched).
 
     ``reference`` is another instance with the same parameters (names and values), for a
     caller that has one; by default the original runs on ``patched``'s own parameters.
     ``offload``: where what waits to be compared is kept (:func:`holding_device`).
+    ``alongside``: what the caller runs with the original's and the patched runs (:class:`Alongside`).
     """
     params = dict(patched.named_parameters())
     every = {id(p): p for m in (patched, reference) if m is not None for p in m.parameters()}
@@ -89,7 +104,7 @@ def compare_models(
     for p in every.values():
         p.grad = None
     try:
-        return _compare(patched, batch, reference, params, holding_device(patched, offload))
+        return _compare(patched, batch, reference, params, holding_device(patched, offload), alongside or Alongside())
     finally:
         for key, p in every.items():
             p.grad = user_grads[key]
@@ -107,16 +122,18 @@ class _Grads:
 
 def _compare(
     patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None, params: dict[str, nn.Parameter],
-    held: torch.device,
+    held: torch.device, alongside: Alongside,
 ) -> list[Check]:
     cls = type(patched).__name__
     grads = _Grads()
-    with _original(patched, reference) as original, _taking_gradients(original, grads.original, held):
+    with (_original(patched, reference) as original, _taking_gradients(original, grads.original, held),
+          alongside.during_original()):
         ref_out = _run(original, batch)
     head = "logits" if "logits" in ref_out else "last_hidden_state"  # a base model has no LM head
     ref_logits, ref_loss = hold(ref_out[head], held), hold(ref_out["loss"], held)
     del ref_out
-    with _judge_gradients(params, grads):
+    alongside.after_original()
+    with _judge_gradients(params, grads), alongside.during_patched():
         pat_out = _run(patched, batch)
     pat_logits, logits_what = pat_out.get(head), head
     if pat_logits is None:  # a fused head + loss does not materialize them: compare the generation path

@@ -6,7 +6,8 @@ decoding reaches), so shapes, gates and dtypes are the ones the model really use
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +61,27 @@ def capture_inputs(
     accelerator: with ``modules="all"`` they are one activation per patched module).
     """
     captured: dict[str, Any] = {}
+    with recording(model, decisions, captured, held), torch.no_grad():
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+        if any(d.path not in captured for d in decisions):
+            _vision_step(model)
+        if any(d.path not in captured for d in decisions):
+            _decode_step(model, batch)
+    return captured
+
+
+@contextlib.contextmanager
+def recording(
+    model: nn.Module, decisions: Sequence[Any], into: dict[str, Any], held: torch.device | None = None
+) -> Iterator[dict[str, Any]]:
+    """While the block runs, the first inputs each patched module and function of ``decisions`` receives go into ``into``.
+
+    Why a block and not a forward of its own: verification records the modules' inputs during
+    the original's run of the whole-model check (a forward it makes anyway), which saves a
+    forward of the model. Inputs are detached, floats cast to fp32 and put on ``held``; a
+    ``labels`` keyword is left out (the capturing forward runs without labels, and a module
+    check compares outputs, not a loss).
+    """
     modules = dict(model.named_modules())
     handles = []
     observers: list[tuple[routing.FunctionRouter, Callable[..., None]]] = []
@@ -67,7 +89,8 @@ def capture_inputs(
         if d.site is None:
 
             def hook(module: nn.Module, args: Any, kwargs: Any, _path: str = d.path) -> None:
-                captured.setdefault(_path, _record(args, kwargs, held))
+                if _path not in into:
+                    into[_path] = _record(args, {k: v for k, v in kwargs.items() if k != "labels"}, held)
 
             handles.append(modules[d.path].register_forward_pre_hook(hook, with_kwargs=True))
         else:
@@ -76,23 +99,18 @@ def capture_inputs(
                 continue
 
             def observe(args: Any, kwargs: Any, _path: str = d.path) -> None:
-                captured.setdefault(_path, _record(args, kwargs, held))
+                if _path not in into:
+                    into[_path] = _record(args, kwargs, held)
 
             router.observers.append(observe)
             observers.append((router, observe))
     try:
-        with torch.no_grad():
-            model(**{k: v for k, v in batch.items() if k != "labels"})
-            if any(d.path not in captured for d in decisions):
-                _vision_step(model)
-            if any(d.path not in captured for d in decisions):
-                _decode_step(model, batch)
+        yield into
     finally:
         for h in handles:
             h.remove()
         for router, observe in observers:
             router.observers.remove(observe)
-    return captured
 
 
 def _record(args: Any, kwargs: Any, held: torch.device | None) -> tuple[Any, Any]:

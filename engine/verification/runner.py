@@ -12,9 +12,9 @@ from engine.errors import NotPatched, VerificationFailed
 from engine.patching.patcher import STATE_ATTR, apply, revert
 from engine.runtime.wrappers import unwrap
 from engine.verification.compare import DTYPE_NAMES, move_tensors
-from engine.verification.models import Offload, compare_models, holding_device, seeded
+from engine.verification.models import Alongside, Offload, compare_models, holding_device, seeded
 from engine.verification.modules import verify_function, verify_module
-from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, takes_labels
+from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, recording, takes_labels
 from engine.verification.random_state import keeps_random_state
 from engine.verification.results import Check, VerifyReport, failure_message
 
@@ -103,29 +103,54 @@ def verify(
         sampled=len(decisions) - len(checked),
     )
     held = holding_device(model, offload)
-    device = next(model.parameters()).device
-    with seeded(model):
-        captured = capture_inputs(model, checked, batch, held)
     named = dict(model.named_modules())
     containers = _containers(checked)
+    captured: dict[str, Any] = {}
+    per_path: dict[str, list[Check]] = {}
+
+    def check_captured() -> None:  # each check as soon as its inputs are there, which are then released
+        for d in checked:
+            if d.path in captured and d.path not in per_path:
+                per_path[d.path] = _check_one(d, captured.pop(d.path), model, named, containers, low)
+
+    model_checks: list[Check] = []
+    if check_model:
+        # The modules' inputs are recorded in the original's run and checked right after it (their
+        # inputs released before the patched run, the peak); functions' in the patched run, where
+        # their routers are called. What neither reaches gets a capturing forward of its own below.
+        by_hooks = [d for d in checked if d.site is None]
+        by_router = [d for d in checked if d.site is not None]
+        alongside = Alongside(during_original=lambda: recording(model, by_hooks, captured, held),
+                              after_original=check_captured,
+                              during_patched=lambda: recording(model, by_router, captured, held))
+        model_checks = compare_models(model, batch, offload=held, alongside=alongside)
+        check_captured()
+    rest = [d for d in checked if d.path not in per_path]
+    if rest:
+        with seeded(model):
+            captured.update(capture_inputs(model, rest, batch, held))
+        check_captured()
     for d in checked:
-        if d.path not in captured:
+        if d.path in per_path:
+            report.checks.extend(per_path[d.path])
+        else:
             cls = d.cls if d.site is None else "function"
             report.checks.append(Check(d.path, cls, d.op, "called", "-", 0.0, 0.0, False, _NOT_CALLED, d.kernel or "-"))
-            continue
-        args, kwargs = move_tensors(captured.pop(d.path), device)  # released as it is used
-        if d.site is None:
-            within = model if d.path in containers else None
-            report.checks.extend(verify_module(d, named[d.path], args, kwargs, low, within=within))
-        else:
-            report.checks.extend(verify_function(d, args, kwargs, low))
-    if check_model:
-        report.checks.extend(compare_models(model, batch, offload=held))
+    report.checks.extend(model_checks)
     if raise_on_failure and not report.passed:
         error = VerificationFailed(failure_message(report))
         error.report = report  # type: ignore[attr-defined]
         raise error
     return report
+
+
+def _check_one(d: Any, inputs: Any, model: nn.Module, named: dict[str, nn.Module], containers: set[str],
+               low: torch.dtype) -> list[Check]:
+    """The module or function check of one decision, on the inputs recorded for it."""
+    args, kwargs = move_tensors(inputs, next(model.parameters()).device)
+    if d.site is None:
+        return verify_module(d, named[d.path], args, kwargs, low, within=model if d.path in containers else None)
+    return verify_function(d, args, kwargs, low)
 
 
 def sample_modules(decisions: Sequence[Any]) -> list[Any]:
