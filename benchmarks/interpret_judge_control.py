@@ -80,7 +80,7 @@ def judged(got: dict[str, torch.Tensor], orig: dict[str, torch.Tensor], truth: d
            sizes: dict[str, int]) -> dict[str, tuple[float, float]]:
     """``name -> (diff / allowed, far / noise)`` as the verifier's gradient check judges (ratio > 1 fails)."""
     from engine.verification.compare import allowed
-    from engine.verification.models import SMALL_TENSOR
+    from engine.verification.verdicts import SMALL_TENSOR
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).abs().max())

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from verify_memory import MIB, QWEN3_1B, TOKENS
 
-from engine.verification import models
+from engine.verification import models, verdicts
 
 
 def truth_peak(layers: int) -> float:
@@ -39,7 +39,7 @@ def truth_peak(layers: int) -> float:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        models._truth_run(model, batch, "logits", models._Grads(), torch.device("cpu"), lambda truth: None)
+        models._truth_run(model, batch, "logits", verdicts.Grads(), torch.device("cpu"), lambda truth: None)
     level = peak = 0
     for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                        if e.name() == "[memory]"):

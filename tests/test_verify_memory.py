@@ -188,3 +188,60 @@ def test_each_held_buffer_lives_on_the_holding_device_and_gradients_leave_the_mo
         (c.path, c.what, c.passed, c.max_abs) for c in baseline.checks]
     assert any(c.what == "grads" and c.note and "original's own error" in c.note for c in report.checks)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["head", "fused-head"])
+def test_the_original_logits_are_not_held_through_the_patched_run_on_a_cpu(
+    fused: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where held and model memory are one (a CPU), the original's logits are compared with the
+    patched ones and dropped before the patched backward (the verification's peak), then
+    recomputed for the truth by a forward without a graph: every check as when they are kept."""
+    import weakref
+
+    from engine.kernels import registry
+
+    def fp64_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Correct and rounded once (fp64 inside): not bit-equal, so the truth runs."""
+        x64 = x.double()
+        return (weight.double() * x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    registry.register(registry.KernelProvider(name="fp64_inside", op="rms_norm", devices=registry.ALL_DEVICES,
+                                              build=lambda patch: fp64_norm))
+    ps = engine.load_patchset("qwen3").model_dump(mode="json")
+    ps["patches"][0]["kernel"] = "fp64_inside"
+    model = tiny_for("qwen3", num_hidden_layers=4)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(registry.unregister, "fp64_inside", "rms_norm")
+        engine.apply(model, ps, fused_cross_entropy=fused)
+        batch = probe_batch(model)
+        try:
+            monkeypatch.setattr(models._OriginalOutput, "drop", lambda self: None)  # kept, as on an accelerator
+            kept = engine.verify(model, batch=batch, raise_on_failure=False)
+            monkeypatch.undo()
+            held: list[weakref.ref] = []
+            alive_at_backward: list[bool] = []
+            real_hold, real_run = models.hold, models._run
+
+            def spy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+                out = real_hold(t, device)
+                if out.dim() == 3 and not held:
+                    held.append(weakref.ref(out))  # the first [batch, tokens, vocab] held: the original's logits
+                return out
+
+            def run(m: Any, b: Any, forward_in: Any = None, between: Any = None) -> Any:
+                def then(out: Any) -> None:
+                    if between is not None:
+                        between(out)
+                    alive_at_backward.append(bool(held) and held[0]() is not None)
+                return real_run(m, b, forward_in, then)
+
+            monkeypatch.setattr(models, "hold", spy)
+            monkeypatch.setattr(models, "_run", run)
+            dropped = engine.verify(model, batch=batch, raise_on_failure=False)
+        finally:
+            engine.revert(model)
+    assert held and alive_at_backward[1] is False  # gone before the patched run's backward
+    assert any(c.what == "grads" and "original's own error" in c.note for c in dropped.checks)  # the truth ran
+    assert [(c.path, c.what, c.dtype, c.passed, c.max_abs, c.note) for c in dropped.checks] == [
+        (c.path, c.what, c.dtype, c.passed, c.max_abs, c.note) for c in kept.checks]

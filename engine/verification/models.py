@@ -23,25 +23,21 @@ import contextlib
 import inspect
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from engine.patching.patcher import original_forwards
+from engine.patching.patcher import STATE_ATTR, original_forwards
+from engine.planning import fused_head
 from engine.runtime.hub_functions import torch_path
-from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, max_abs, max_abs_diff, noise_note
-from engine.verification.low_precision import (
-    LOW_PRECISION,
-    judge_loss,
-    judge_population,
-    tensor_limit,
-    token_loss_noise,
-)
-from engine.verification.results import MODEL, Check
+from engine.runtime.wrappers import unwrap
+from engine.verification.compare import DTYPE_NAMES, compare, max_abs, max_abs_diff
+from engine.verification.results import Check
 from engine.verification.truth import GradientSink, fp64_truth
 from engine.verification.truth_layers import recomputed_layers
+from engine.verification.verdicts import Grads, Seen, grads_check, loss_noise, value_check
 
 __all__ = ["Alongside", "Offload", "compare_models", "hold", "holding_device", "seeded", "surrogate_loss"]
 
@@ -110,66 +106,119 @@ def compare_models(
             p.grad = user_grads[key]
 
 
-@dataclass
-class _Grads:
-    """Per parameter: the difference patched vs original, and the original's error vs fp64."""
-
-    original: dict[str, torch.Tensor] = field(default_factory=dict)
-    diff: dict[str, tuple[float, float, bool]] = field(default_factory=dict)
-    noise: dict[str, tuple[float, float]] = field(default_factory=dict)  # (max|orig - truth|, max|truth|)
-    missing: dict[str, str] = field(default_factory=dict)
-
-
 def _compare(
     patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None, params: dict[str, nn.Parameter],
     held: torch.device, alongside: Alongside,
 ) -> list[Check]:
     cls = type(patched).__name__
-    grads = _Grads()
+    grads = Grads()
     with (_original(patched, reference) as original, _taking_gradients(original, grads.original, held),
           alongside.during_original()):
         ref_out = _run(original, batch)
     head = "logits" if "logits" in ref_out else "last_hidden_state"  # a base model has no LM head
-    ref_logits, ref_loss = hold(ref_out[head], held), hold(ref_out["loss"], held)
+    ref = _OriginalOutput(hold(ref_out[head], held), lambda: _original_output(patched, reference, batch, head, held),
+                          keep=held != next(patched.parameters()).device)
+    ref_loss, dtype = hold(ref_out["loss"], held), DTYPE_NAMES.get(ref_out[head].dtype, str(ref_out[head].dtype))
     del ref_out
+    if not _makes_logits(patched, batch):
+        ref.drop()  # a fused head makes no logits in the patched run: not needed before the run after it
     alongside.after_original()
+    seen: dict[str, Seen] = {}
+
+    def between(out: Any) -> None:  # the patched logits are there: compare, then drop the original's before the backward
+        if out.get(head) is not None:
+            seen[head] = _seen(out[head], ref.get())
+            ref.drop()
+
     with _judge_gradients(params, grads), alongside.during_patched():
-        pat_out = _run(patched, batch)
+        pat_out = _run(patched, batch, between=between)
     pat_logits, logits_what = pat_out.get(head), head
     if pat_logits is None:  # a fused head + loss does not materialize them: compare the generation path
         with torch.no_grad(), seeded(patched):
             pat_logits = patched(**{k: v for k, v in batch.items() if k != "labels"}).logits
         logits_what = "logits (no labels)"
+        seen[head] = _seen(pat_logits, ref.get())
     pat_logits, pat_loss = hold(pat_logits, held), hold(pat_out["loss"], held)
     del pat_out
+    seen["loss"] = _seen(pat_loss, ref_loss)
     for name in grads.original.keys() - grads.diff.keys():  # the original had one, the patched model not
         grads.missing[name] = "no gradient in the patched model"
-    exact = (torch.equal(pat_logits, ref_logits) and torch.equal(pat_loss, ref_loss)
-             and all(d[0] == 0.0 and d[2] for d in grads.diff.values()))
-    dtype = DTYPE_NAMES.get(ref_logits.dtype, str(ref_logits.dtype))
+    exact = seen[head][2] and seen["loss"][2] and all(d[0] == 0.0 and d[2] for d in grads.diff.values())
+    truth_runs = not exact and not grads.missing
     # the values wait here only until judged: the truth judges them after its forward and drops them
     # (and its own fp64 logits) before its backward, the truth's peak
-    waiting = {head: (logits_what, pat_logits, ref_logits), "loss": ("loss", pat_loss, ref_loss)}
-    del pat_logits, ref_logits, pat_loss, ref_loss
+    waiting = {head: (logits_what, pat_logits, ref.get() if truth_runs else ref.value),
+               "loss": ("loss", pat_loss, ref_loss)}
+    del pat_logits, pat_loss, ref_loss
+    ref.value = None  # only `waiting` holds it now: judged and dropped after the truth's forward
     checks: list[Check] = []
 
     def judge_values(truth: dict[str, Any]) -> None:
-        typical = _loss_noise(waiting, head, truth, batch)
+        typical = loss_noise(waiting, head, truth, batch)
         for key in list(waiting):
             what, got, want = waiting.pop(key)
-            checks.append(_value_check(cls, what, dtype, got, want, truth.get(key), typical if key == "loss" else None))
+            checks.append(value_check(cls, what, dtype, got, want, truth.get(key), typical if key == "loss" else None,
+                                      seen[key]))
 
     rounded: list[str] = []
-    if not exact and not grads.missing:
+    if truth_runs:
         with _original(patched, reference) as original:
             rounded = _truth_run(original, batch, head, grads, held, judge_values)
     judge_values({})  # bit-equal, or a gradient missing: no truth
     grads.original.clear()
-    checks.append(_grads_check(cls, dtype, grads, params))
+    checks.append(grads_check(cls, dtype, grads, params))
     if rounded:
         for check in checks:
             check.note += f" (the fp64 truth still rounded in {', '.join(rounded)})"
     return checks
+
+
+class _OriginalOutput:
+    """The original's logits (or last hidden state): held, or dropped while the patched run peaks and recomputed after.
+
+    Why: held through the patched run they sit on top of a training step and the original's
+    gradients, the verification's peak ([tokens, vocab]: 160 MiB for Gemma 3 in bf16 at 320
+    tokens, 1.2 GiB for Qwen3-8B at 4096). Where they are held on another device (the host, for a
+    model on an accelerator) they cost the device nothing and are kept (``keep``); otherwise they
+    are dropped once compared with the patched ones and recomputed, by one forward without a graph
+    (bit-equal: the same ops on the same inputs, the same dropout draws), only if the truth needs them.
+    """
+
+    def __init__(self, value: torch.Tensor, recompute: Callable[[], torch.Tensor], *, keep: bool) -> None:
+        self.value: torch.Tensor | None = value
+        self._recompute, self._keep = recompute, keep
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self._recompute()
+        return self.value
+
+    def drop(self) -> None:
+        if not self._keep:
+            self.value = None
+
+
+def _original_output(patched: nn.Module, reference: nn.Module | None, batch: dict[str, Any], head: str,
+                     held: torch.device) -> torch.Tensor:
+    """The original's ``head`` output again: a forward without a graph (and without labels: no loss needed)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with _original(patched, reference) as original, torch.no_grad(), seeded(original):
+        if "use_cache" not in inputs and "use_cache" in inspect.signature(original.forward).parameters:
+            inputs["use_cache"] = False
+        return hold(original(**inputs)[head], held)
+
+
+def _makes_logits(model: nn.Module, batch: dict[str, Any]) -> bool:
+    """Whether the patched run returns the head's output: not where the plan fused the head and the loss
+    and the batch has labels (the fused kernel then returns the loss only)."""
+    state = unwrap(model).__dict__.get(STATE_ATTR)
+    fused = state is not None and any(d.action == "patch" and d.op == fused_head.OP for d in state.report.decisions)
+    return not (fused and isinstance(batch.get("labels"), torch.Tensor))
+
+
+def _seen(got: torch.Tensor, want: torch.Tensor) -> Seen:
+    ma, mr, _ = compare(got, want)
+    return ma, mr, got.dtype == want.dtype and torch.equal(got, want)
 
 
 @contextlib.contextmanager
@@ -238,7 +287,7 @@ def _taking_gradients(model: nn.Module, into: dict[str, torch.Tensor], held: tor
 
 
 @contextlib.contextmanager
-def _judge_gradients(params: dict[str, nn.Parameter], grads: _Grads) -> Iterator[None]:
+def _judge_gradients(params: dict[str, nn.Parameter], grads: Grads) -> Iterator[None]:
     """Compare each patched gradient with the original's when autograd has accumulated it, then drop it."""
 
     def hook(p: torch.Tensor, name: str) -> None:
@@ -286,7 +335,7 @@ def _no_checkpointing(model: nn.Module) -> Iterator[None]:
 
 
 def _truth_run(
-    original: nn.Module, batch: dict[str, torch.Tensor], head: str, grads: _Grads, held: torch.device,
+    original: nn.Module, batch: dict[str, torch.Tensor], head: str, grads: Grads, held: torch.device,
     judge_values: Callable[[dict[str, Any]], None],
 ) -> list[str]:
     """The original in fp64; each parameter's fp64 gradient is measured against the original's as it arrives.
@@ -337,96 +386,3 @@ def _worst(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
-def _loss_noise(waiting: dict[str, Any], head: str, truth: dict[str, Any], batch: dict[str, Any]) -> float | None:
-    """A bf16/fp16 causal LM's loss noise from the original's and the truth's logits (``token_loss_noise``), or None.
-
-    None (the plain rule) for fp32, a base model (no logits, a surrogate loss), no labels, or a loss
-    that is not transformers' causal-LM cross-entropy. The original and the truth run the unfused
-    head, so this holds when the patched model's head is fused too.
-    """
-    labels, exact = batch.get("labels"), truth.get(head)
-    if head != "logits" or head not in waiting or "loss" not in truth or not isinstance(labels, torch.Tensor):
-        return None
-    original = waiting[head][2]
-    if original.dtype not in LOW_PRECISION or exact is None:
-        return None
-    return token_loss_noise(original, exact, labels, truth["loss"])
-
-
-def _value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.Tensor, truth: Any,
-                 typical: float | None = None) -> Check:
-    ma, mr, _ = compare(got, want)
-    if got.dtype == want.dtype and torch.equal(got, want):
-        return Check(MODEL, cls, "-", what, dtype, ma, mr, True)
-    if truth is None:
-        return Check(MODEL, cls, "-", what, dtype, ma, mr, False, "not judged: a gradient is missing")
-    if typical is not None and got.shape == want.shape and got.dtype == want.dtype:  # a low-precision loss
-        passed, note = judge_loss(got, want, truth, typical)
-        return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
-    # a low-precision model's logits and loss: two tensors judged as the gradients' population is
-    passed, note = judge(got, want, truth, tensor_limit(2) if want.dtype in LOW_PRECISION else 1.0)
-    return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
-
-
-#: Gradients of at most this many elements judge their rounding error by the model's typical level too.
-SMALL_TENSOR = 4096
-
-
-def _typical_relative_noise(grads: _Grads) -> float:
-    """The median over parameters of the original gradient's error relative to its scale.
-
-    Why: every gradient is formed from upstream gradients that carry the whole backward's
-    rounding; a tensor's own largest error is the maximum of its elements' errors, and for a
-    tensor of a few elements (a per-layer scale, a bias: :data:`SMALL_TENSOR`) that maximum is a
-    poor sample and can be luckily tiny. Such a parameter is allowed at least this model-wide
-    level times its own scale; large tensors keep their own error, and a wrong declaration
-    (orders beyond) exceeds both. Only in fp32: in bf16 and fp16 the floor of one ulp of the
-    tensor's scale is already the size of a rounding step, which one ulp of fp32 is not.
-    """
-    levels = sorted(noise / scale for noise, scale in grads.noise.values() if scale > 0 and math.isfinite(noise))
-    return levels[len(levels) // 2] if levels else 0.0
-
-
-def _grads_check(cls: str, dtype: str, grads: _Grads, params: dict[str, nn.Parameter]) -> Check:
-    """One check for all parameter gradients: the worst parameter's errors, and how many differ.
-
-    A gradient present on one side only (a kernel that detaches, or one that reaches a
-    parameter the original does not) is a failure of its own kind, named in the note.
-    """
-    if grads.missing:
-        name = min(grads.missing)
-        total = len(grads.diff.keys() | grads.missing.keys())
-        note = (f"{len(grads.missing)} of {total} parameter gradients differ; worst: {name} "
-                f"({grads.missing[name]})")
-        return Check(MODEL, cls, "-", "grads", dtype, float("inf"), float("inf"), False, note)
-    if not grads.diff:
-        return Check(MODEL, cls, "-", "grads", dtype, 0.0, 0.0, False, "no parameter received a gradient")
-    rows = []  # (ratio, name, max abs, max rel, noise)
-    level = _typical_relative_noise(grads)
-    for name, (ma, mr, ok) in grads.diff.items():
-        if ma == 0.0 and ok:
-            rows.append((0.0, name, ma, mr, 0.0))
-            continue
-        noise, scale = grads.noise.get(name, (math.nan, 0.0))  # nan: the truth gave this parameter no gradient
-        if params[name].numel() <= SMALL_TENSOR and params[name].dtype in (torch.float32, torch.float64):
-            noise = max(noise, level * scale)  # nan stays nan
-        limit = 0.0 if math.isnan(noise) else allowed(noise, scale, params[name].dtype)
-        rows.append((ma / limit if limit else float("inf"), name, ma, mr, noise))
-    failing = [r for r in rows if r[0] > 1.0]
-    worst = max(rows, key=lambda r: (r[0], r[2]))
-    largest = max(rows, key=lambda r: r[2])
-    passed, why = not failing, ""
-    if failing and dtype in {DTYPE_NAMES[d] for d in LOW_PRECISION}:  # bf16: a few over is what rounding does
-        passed, why = judge_population([r[0] for r in rows])
-        why = why or f"within what an equally valid {dtype} run shows"
-    if failing:
-        note = (f"{len(failing)} of {len(rows)} parameter gradients differ by more than the original's own error "
-                f"allows ({why}); worst: {worst[1]}: {noise_note(worst[2], worst[4])}" if why else
-                f"{len(failing)} of {len(rows)} parameter gradients differ by more than the original's own error "
-                f"allows; worst: {worst[1]}: {noise_note(worst[2], worst[4])}")
-    elif largest[2] == 0.0:
-        note = f"{len(rows)} parameter gradients; largest difference: none"
-    else:
-        note = (f"{len(rows)} parameter gradients; largest difference: {largest[1]}; closest to the limit: "
-                f"{worst[1]}: {noise_note(worst[2], worst[4])}")
-    return Check(MODEL, cls, "-", "grads", dtype, largest[2], max(r[3] for r in rows), passed, note)
