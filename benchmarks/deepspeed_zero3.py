@@ -183,8 +183,10 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
 
 #: ``--fsdp2-head``: how an untied ``lm_head`` is sharded. ``own``: its own unit (``fully_shard(model.lm_head)``);
 #: ``with-norm``: one unit with the final norm, the head's weight first in the unit's parameter order
-#: (``fully_shard([model.lm_head, model.model.norm])``); ``root``: no unit of its own (in the root's).
-FSDP2_HEADS = ("own", "with-norm", "root")
+#: (``fully_shard([model.lm_head, model.model.norm])``); ``with-norm-async``: that, and the unit's unshard with
+#: ``async_op`` (torch's ``_set_unshard_async_op(True)``: the all-gather's output freed right after its copy-out,
+#: not kept to the root forward's end as the last unit's is); ``root``: no unit of its own (in the root's).
+FSDP2_HEADS = ("own", "with-norm", "with-norm-async", "root")
 
 
 def shard_untied_head(model: Any, how: str) -> None:
@@ -199,8 +201,10 @@ def shard_untied_head(model: Any, how: str) -> None:
 
     if how == "own":
         fully_shard(model.lm_head)
-    elif how == "with-norm":
+    elif how.startswith("with-norm"):
         fully_shard([model.lm_head, model.model.norm])  # the order of the list is the order of the parameters
+        if how == "with-norm-async":
+            model.lm_head._set_unshard_async_op(True)
 
 
 def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int],
@@ -275,7 +279,8 @@ def label(row: dict[str, Any]) -> str:
     """The framework column: ZeRO-3 with a ``reduce_bucket_size`` other than its default says which, FSDP2 with an
     untied head not in its own unit says where it is."""
     bucket = row.get("reduce_bucket_size")
-    head = {"with-norm": " (fully_shard([lm_head, norm]))", "root": " (lm_head in the root's unit)"}.get(
+    head = {"with-norm": " (fully_shard([lm_head, norm]))", "root": " (lm_head in the root's unit)",
+            "with-norm-async": " (fully_shard([lm_head, norm]), async unshard)"}.get(
         row.get("fsdp2_head") or "own", "")
     return row["framework"] + (f" (reduce_bucket_size {bucket:.0e})".replace("e+0", "e") if bucket else "") + head
 
@@ -355,7 +360,8 @@ def main() -> None:
                              "5e7, below the head's [V, H] so its gradient is not copied into one bucket with all the others")
     parser.add_argument("--fsdp2-head", choices=FSDP2_HEADS, nargs="+", default=["own"],
                         help="FSDP2, untied: own = fully_shard(model.lm_head); with-norm = fully_shard([model.lm_head, "
-                             "model.model.norm]) (the head's gradient not the last of its unit); root = no unit of its own")
+                             "model.model.norm]) (the head's gradient not the last of its unit); with-norm-async = that and "
+                             "lm_head._set_unshard_async_op(True); root = no unit of its own")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
