@@ -98,7 +98,7 @@ class _ZeroRowHead(nn.Module):
         self.vocab = vocab
 
     def forward(self, rows: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if rows.shape[-2] == 0 and not args and not kwargs:
+        if rows.dim() >= 2 and rows.shape[-2] == 0 and not args and not kwargs:
             return rows.new_zeros((*rows.shape[:-1], self.vocab))
         return self._head[0](rows, *args, **kwargs)
 
