@@ -17,6 +17,9 @@ FSDP2 (``--framework fsdp2``): the same model built whole on each rank (same see
 ``fully_shard`` on each decoder layer, on ``lm_head`` where it is untied (its own unit: whole only
 for its forward and its backward; a tied head shares its weight with the embedding and stays in
 the root's unit), and on the model; one measured step: forward, ``backward``, SGD step.
+``--fsdp2-head with-norm`` shards the untied head in one unit with the final norm instead (see
+:func:`shard_untied_head`), ``with-norm-async`` also unshards that unit with ``async_op``, ``root``
+leaves the head in the root's unit.
 
 Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_entropy=True)``).
 
@@ -24,6 +27,9 @@ Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_e
         --framework zero3 fsdp2 --seq 1024 --out benchmarks/results/sharded_head_cpu.json
     DS_ACCELERATOR=cpu flock /work/wt/heavy.lock python benchmarks/deepspeed_zero3.py \\
         --framework zero3 fsdp2 --seq 4096 --rank1-seq 64 --append --out benchmarks/results/sharded_head_cpu.json
+    DS_ACCELERATOR=cpu flock /work/wt/heavy.lock taskset -c 1 python benchmarks/deepspeed_zero3.py \\
+        --framework fsdp2 zero3 --seq 1024 --tied untied --fsdp2-head own with-norm with-norm-async root \\
+        --reduce-bucket-size 0 5e7 --append --out benchmarks/results/sharded_head_cpu.json
 
 (At 4,096 tokens an unpatched rank needs about 9 GiB over its baseline; ``--rank1-seq 64`` has rank 1
 run 64 tokens, so only rank 0's row is a measurement, and the two ranks fit beside other jobs.)
@@ -181,7 +187,34 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
     return row
 
 
-def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int]) -> dict[str, Any]:
+#: ``--fsdp2-head``: how an untied ``lm_head`` is sharded. ``own``: its own unit (``fully_shard(model.lm_head)``);
+#: ``with-norm``: one unit with the final norm, the head's weight first in the unit's parameter order
+#: (``fully_shard([model.lm_head, model.model.norm])``); ``with-norm-async``: that, and the unit's unshard with
+#: ``async_op`` (torch's ``_set_unshard_async_op(True)``: the all-gather's output freed right after its copy-out,
+#: not kept to the root forward's end as the last unit's is); ``root``: no unit of its own (in the root's).
+FSDP2_HEADS = ("own", "with-norm", "with-norm-async", "root")
+
+
+def shard_untied_head(model: Any, how: str) -> None:
+    """``fully_shard`` on the untied head as ``how`` says (see :data:`FSDP2_HEADS`), before the root's.
+
+    Why ``with-norm``: torch's ``foreach_reduce`` (2.13, 2.14) reorders gradients in a loop whose variable
+    still refers to the group's *last* gradient while the reduce-scatter runs; with the head alone in its
+    unit that is the head's whole ``[V, H]`` gradient, kept beside its copy in the reduce-scatter input.
+    With the norm's weight after it, the loop ends on the norm's (a few KiB).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if how == "own":
+        fully_shard(model.lm_head)
+    elif how.startswith("with-norm"):
+        fully_shard([model.lm_head, model.model.norm])  # the order of the list is the order of the parameters
+        if how == "with-norm-async":
+            model.lm_head._set_unshard_async_op(True)
+
+
+def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int],
+              head: str = "own") -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -195,8 +228,8 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
         engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
     for layer in model.model.layers:
         fully_shard(layer)
-    if not tied:  # its own unit: whole for its forward and backward only
-        fully_shard(model.lm_head)
+    if not tied:  # its own unit (alone or with the norm): whole for its forward and backward only
+        shard_untied_head(model, head)
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(rank))
@@ -209,8 +242,11 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
         return loss.item()
 
     warm = step()
+    group = model.lm_head._get_fsdp_state()._fsdp_param_group if not tied and head != "root" else None
+    order = [p._param_fqn for p in group.fsdp_params] if group else None  # the reduce-scatter's order
     peak, at_backbone, seconds = peak_rise(step)
     row = {"framework": "fsdp2", "hidden": config.hidden_size, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
+           "fsdp2_head": None if tied else head, "head_unit_params": order,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
            "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None,
            "peak_ops": PEAK_OPS, "alive_at_peak": ALIVE_AT_PEAK}
@@ -218,7 +254,8 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
 
 
 def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: str, sizes: dict[str, int],
-           lean: bool = False, rank1_seq: int | None = None, bucket: int | None = None) -> None:
+           lean: bool = False, rank1_seq: int | None = None, bucket: int | None = None,
+           fsdp2_head: str = "own") -> None:
     if rank == 1 and rank1_seq:  # a shorter sequence on rank 1 (only rank 0's row is then the measurement)
         seq = rank1_seq
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
@@ -232,21 +269,26 @@ def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: s
             deepspeed.init_distributed(dist_backend="gloo")
             row = run_variant(variant, tied, seq, rank, sizes, lean, bucket)
         else:
-            row = run_fsdp2(variant, tied, seq, rank, sizes)
+            row = run_fsdp2(variant, tied, seq, rank, sizes, fsdp2_head)
         Path(f"{out}/rows{rank}.json").write_text(json.dumps([row]))
     finally:
         dist.destroy_process_group()
 
 
 def key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (FRAMEWORKS.index(row["framework"]), row.get("reduce_bucket_size") or 0, row.get("hidden", HIDDEN),
+    head = FSDP2_HEADS.index(row.get("fsdp2_head") or "own")
+    return (FRAMEWORKS.index(row["framework"]), row.get("reduce_bucket_size") or 0, head, row.get("hidden", HIDDEN),
             row["seq"], row["tied"], VARIANTS.index(row["variant"]), row["rank"])
 
 
 def label(row: dict[str, Any]) -> str:
-    """The framework column: ZeRO-3 with a ``reduce_bucket_size`` other than its default says which."""
+    """The framework column: ZeRO-3 with a ``reduce_bucket_size`` other than its default says which, FSDP2 with an
+    untied head not in its own unit says where it is."""
     bucket = row.get("reduce_bucket_size")
-    return row["framework"] + (f" (reduce_bucket_size {bucket:.0e})".replace("e+0", "e") if bucket else "")
+    head = {"with-norm": " (fully_shard([lm_head, norm]))", "root": " (lm_head in the root's unit)",
+            "with-norm-async": " (fully_shard([lm_head, norm]), async unshard)"}.get(
+        row.get("fsdp2_head") or "own", "")
+    return row["framework"] + (f" (reduce_bucket_size {bucket:.0e})".replace("e+0", "e") if bucket else "") + head
 
 
 def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
@@ -256,7 +298,7 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
         (f"Qwen3, 4 layers, vocab {VOCAB:,}, fp32 (hidden {HIDDEN}, 16 heads, intermediate 3072; `--hidden 256`: "
          "4 heads, intermediate 768), one sequence per rank; ZeRO-3: built under "
          "zero.Init, `stage3_param_persistence_threshold: 0`; FSDP2: `fully_shard` on each layer, on `lm_head` when "
-         "untied, and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
+         "untied (alone, or as the framework column says), and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
          "a warm-up step, from the allocator (torch.profiler); ranks 0 / 1 (one number: rank 0 alone, where rank 1 "
          "ran a shorter sequence, `--rank1-seq`, so that the run fits in this machine's memory)."),
         "",
@@ -319,9 +361,13 @@ def main() -> None:
                         help="rank 1 runs this many tokens instead (its row is dropped): rank 0's peak at --seq "
                              "where two full-length ranks do not fit in this machine's memory")
     parser.add_argument("--append", action="store_true", help="keep the file's other rows (replacing the ones rerun)")
-    parser.add_argument("--reduce-bucket-size", type=float, default=None,
-                        help="ZeRO-3's reduce_bucket_size in elements (default: DeepSpeed's, 5e8); e.g. 5e7, below "
-                             "the head's [V, H] so its gradient is not copied into one bucket with all the others")
+    parser.add_argument("--reduce-bucket-size", type=float, nargs="+", default=[0],
+                        help="ZeRO-3's reduce_bucket_size in elements, one run each (0: DeepSpeed's default, 5e8); e.g. "
+                             "5e7, below the head's [V, H] so its gradient is not copied into one bucket with all the others")
+    parser.add_argument("--fsdp2-head", choices=FSDP2_HEADS, nargs="+", default=["own"],
+                        help="FSDP2, untied: own = fully_shard(model.lm_head); with-norm = fully_shard([model.lm_head, "
+                             "model.model.norm]) (the head's gradient not the last of its unit); with-norm-async = that and "
+                             "lm_head._set_unshard_async_op(True); root = no unit of its own")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -336,21 +382,24 @@ def main() -> None:
         old = json.loads(args.out.read_text())
         rows, commands = old["rows"], [*old.get("commands", [old.get("command")]), command]
     text = ""
-    for framework in args.framework:
-        for seq in args.seq:
-            for tied in tieds:  # one process group per run: freed memory of one does not stay in the next's
-                for variant in args.variants:
-                    with tempfile.TemporaryDirectory() as out:
-                        args_ = (out, framework.removesuffix("-lean"), seq, tied, variant, sizes,
-                                 framework.endswith("-lean"), args.rank1_seq,
-                                 int(args.reduce_bucket_size) if args.reduce_bucket_size else None)
-                        mp.spawn(worker, args=args_, nprocs=WORLD, join=True)
-                        ranks = [0] if args.rank1_seq else range(WORLD)  # rank 1 then ran another length
-                        new = [row | {"rank1_seq": args.rank1_seq} for rank in ranks
-                               for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
-                    rows = [r for r in rows if key(r) not in {key(n) for n in new}] + new
-                    print(new, flush=True)
-                    text = write(args.out, rows, commands)  # after every run: a partial table survives
+    runs = [(framework, seq, tied, setting, variant) for framework in args.framework for seq in args.seq
+            for tied in tieds
+            for setting in ([int(b) or None for b in args.reduce_bucket_size] if framework.startswith("zero3")
+                            else args.fsdp2_head if not tied else ["own"])
+            for variant in args.variants]
+    for framework, seq, tied, setting, variant in runs:  # one process group per run: freed memory stays in none
+        with tempfile.TemporaryDirectory() as out:
+            args_ = (out, framework.removesuffix("-lean"), seq, tied, variant, sizes,
+                     framework.endswith("-lean"), args.rank1_seq,
+                     setting if framework.startswith("zero3") else None,
+                     setting if framework == "fsdp2" else "own")
+            mp.spawn(worker, args=args_, nprocs=WORLD, join=True)
+            ranks = [0] if args.rank1_seq else range(WORLD)  # rank 1 then ran another length
+            new = [row | {"rank1_seq": args.rank1_seq} for rank in ranks
+                   for row in json.loads(Path(f"{out}/rows{rank}.json").read_text())]
+        rows = [r for r in rows if key(r) not in {key(n) for n in new}] + new
+        print(new, flush=True)
+        text = write(args.out, rows, commands)  # after every run: a partial table survives
     print(text)
 
 

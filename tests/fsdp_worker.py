@@ -119,7 +119,10 @@ def fused_head_worker(rank: int, out: str) -> None:
 
     Untied, ``lm_head`` is its own FSDP unit (whole only inside its own forward and backward: the
     fused kernel runs as that forward); tied, it shares its weight with the embedding and stays in
-    the root's unit.
+    the root's unit. ``untied, with norm``: the fused run with ``fully_shard([model.lm_head,
+    model.model.norm])`` (docs/training.md: the head's gradient not the last of its unit), against
+    the unpatched run with the head its own unit; it also records the unit's parameter order and how
+    often the head's forward hooks ran per step (once: the original forward's zero-row call skips them).
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from conftest import tiny_for
@@ -130,7 +133,7 @@ def fused_head_worker(rank: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     try:
-        results = {}
+        results, grouped = {}, {}
         for tied in (True, False):
             runs = []
             for fused in (False, True):
@@ -146,7 +149,19 @@ def fused_head_worker(rank: int, out: str) -> None:
                 assert isinstance(model.lm_head, FSDPModule) is not tied
                 runs.append(train_with_grads(model, batches_for(rank)))
             results["tied" if tied else "untied"] = runs
+        model = tiny_for("qwen3", tie_word_embeddings=False)
+        engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard([model.lm_head, model.model.norm])
+        fully_shard(model)
+        calls: list[int] = []
+        model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(1))
+        results["untied, with norm"] = [results["untied"][0], train_with_grads(model, batches_for(rank))]
+        group = model.lm_head._get_fsdp_state()._fsdp_param_group
+        grouped = {"order": [p._param_fqn for p in group.fsdp_params], "head_calls": len(calls)}
         torch.save(results, f"{out}/fused{rank}.pt")
+        torch.save(grouped, f"{out}/grouped{rank}.pt")
         torch.save({fused: head_step_peak_mib(fused, rank) for fused in (False, True)}, f"{out}/peak{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 from conftest import tiny_for
-from fsdp_worker import WORLD, batches_for, fused_head_worker, train, worker
+from fsdp_worker import STEPS, WORLD, batches_for, fused_head_worker, train, worker
 
 TOL = 1e-5
 
@@ -36,8 +36,9 @@ def test_fsdp2_patched_trains_like_unpatched_and_checkpoint_loads_unpatched(tmp_
 
 def test_fsdp2_fused_head_trains_like_unpatched_tied_and_untied(tmp_path) -> None:
     """The fused head under FSDP2: untied with ``lm_head`` its own unit (gathered by its own hooks for the
-    kernel only), tied in the root's unit (the weight's two gradients share one buffer): the unpatched
-    losses and full gradients."""
+    kernel only), tied in the root's unit (the weight's two gradients share one buffer), untied in one unit
+    with the final norm (``fully_shard([model.lm_head, model.model.norm])``): the unpatched losses and full
+    gradients."""
     mp.spawn(fused_head_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"fused{r}.pt") for r in range(WORLD)]
     for results in ranks:
@@ -49,6 +50,10 @@ def test_fsdp2_fused_head_trains_like_unpatched_tied_and_untied(tmp_path) -> Non
                 worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
                 assert worst <= TOL, (embeddings, step, worst)
                 assert got.get("lm_head.weight", got["model.embed_tokens.weight"]).abs().max() > 0
+    for rank in range(WORLD):  # the head's gradient is not the unit's last (docs/training.md, FSDP2)
+        grouped = torch.load(tmp_path / f"grouped{rank}.pt")
+        assert grouped["order"] == ["lm_head.weight", "model.norm.weight"], grouped
+        assert grouped["head_calls"] == STEPS, grouped  # its hooks once a step: the zero-row call skips them
     # memory: a 2x regression of the fused head's peak under FSDP2 fails (today about a quarter of the unpatched)
     for rank in range(WORLD):
         peaks = torch.load(tmp_path / f"peak{rank}.pt")

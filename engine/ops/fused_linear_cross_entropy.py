@@ -38,7 +38,7 @@ from engine.errors import SignatureMismatch
 from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
 from engine.ops.causal_lm_head import HeadContract, head_weight, read_head_contract
 from engine.ops.flce_torch import chunked_linear_cross_entropy, linear_cross_entropy_reference
-from engine.ops.sharded_head import call_as_forward, is_sharded_head
+from engine.ops.sharded_head import call_as_forward, is_sharded_head, zero_row_call_skipped
 from engine.ops.tied_gradient import deposit, tied_embedding_gradient
 from engine.ops.trl_head import check_not_replaced, refuse_trl_bypass, refuse_trl_caller
 from engine.ops.zero3 import peek
@@ -173,7 +173,8 @@ def _fused_forward(
     captured: list[Any] = []
     handle = model.get_submodule(backbone).register_forward_hook(lambda m, i, o: captured.append(o))
     try:  # a tied input embedding adds its gradient into the head's: one [V, H] buffer, not two
-        with tied_embedding_gradient(model, raw_weight) as mailbox:
+        with tied_embedding_gradient(model, raw_weight) as mailbox, \
+                zero_row_call_skipped(model, patch.lm_head, head, raw_weight):
             out = original(model, **call)
     finally:
         handle.remove()

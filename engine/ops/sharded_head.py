@@ -20,18 +20,28 @@ parameter, which DeepSpeed's backward rejects.) Elsewhere (no sharding, or FSDP2
 the root's unit, unsharded for the root's whole forward) the kernel runs directly, as before:
 the head's other hooks (a user's forward hook that expects logits, accelerate's offload hooks)
 never see a loss.
+
+The original forward, run for everything but the logits, still calls the head on zero rows. For an
+FSDP2 unit that call is a whole unshard / reshard of ``[V, H]`` (an all-gather) for nothing, and where the
+head shares its unit with another module (``fully_shard([model.lm_head, model.model.norm])``, which keeps
+the head's gradient off the end of the unit's reduce-scatter list; docs/training.md) it completes the
+unit's forward early, so the kernel's call would open a second pass that FSDP2 closes only at the root's
+end, reducing the gradients before the norm's backward. :func:`zero_row_call_skipped` hands that call
+an empty result instead, without the head's hooks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from engine.ops.zero3 import peek
 
-__all__ = ["call_as_forward", "is_sharded_head"]
+__all__ = ["call_as_forward", "is_sharded_head", "zero_row_call_skipped"]
 
 _MISSING = object()
 
@@ -74,3 +84,41 @@ def call_as_forward(module: nn.Module, function: Callable[..., Any], *args: Any)
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = saved
+
+
+class _ZeroRowHead(nn.Module):
+    """Stands in for an FSDP2 head while the original forward runs: zero rows in, zero rows of logits out.
+
+    A call with rows (a forward that ignores ``logits_to_keep``) goes to the real head, hooks and all.
+    """
+
+    def __init__(self, head: nn.Module, vocab: int) -> None:
+        super().__init__()
+        self._head = (head,)  # a tuple: not registered as a submodule (named_modules stays the model's)
+        self.vocab = vocab
+
+    def forward(self, rows: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if rows.dim() >= 2 and rows.shape[-2] == 0 and not args and not kwargs:
+            return rows.new_zeros((*rows.shape[:-1], self.vocab))
+        return self._head[0](rows, *args, **kwargs)
+
+
+@contextmanager
+def zero_row_call_skipped(model: nn.Module, path: str, head: nn.Module, weight: Any) -> Iterator[None]:
+    """While the body runs, an FSDP2-unit head at ``path`` answers a zero-row call without its hooks.
+
+    Elsewhere (no FSDP2 unit) nothing changes. The head is back in place afterwards, also on error.
+    ``weight`` is the head's weight as stored (its first dimension is the vocabulary, a DTensor's
+    global shape for FSDP2).
+    """
+    if not _fsdp2_unit(head) or weight is None or not path:
+        yield
+        return
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    modules = parent.__dict__["_modules"]
+    modules[name] = _ZeroRowHead(head, int(weight.shape[0]))  # the dict itself: no __setattr__ side effects
+    try:
+        yield
+    finally:
+        modules[name] = head
