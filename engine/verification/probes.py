@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.runtime import routing
-from engine.verification.compare import cast_floats, move_tensors
+from engine.verification.compare import clone_tensors, move_tensors
 
 
 def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -55,7 +55,7 @@ def takes_labels(model: nn.Module) -> bool:
 def capture_inputs(
     model: nn.Module, decisions: Sequence[Any], batch: dict[str, torch.Tensor], held: torch.device | None = None
 ) -> dict[str, Any]:
-    """Run one forward and record the first inputs of every patched module and function (in fp32, on ``held``).
+    """Run one forward and record the first inputs of every patched module and function (on ``held``).
 
     ``held``: where the recorded inputs wait for their check (the host, for a model on an
     accelerator: with ``modules="all"`` they are one activation per patched module).
@@ -78,7 +78,7 @@ def recording(
 
     Why a block and not a forward of its own: verification records the modules' inputs during
     the original's run of the whole-model check (a forward it makes anyway), which saves a
-    forward of the model. Inputs are detached, floats cast to fp32 and put on ``held``; a
+    forward of the model. Inputs are detached and put on ``held`` (in their own dtype); a
     ``labels`` keyword is left out (the capturing forward runs without labels, and a module
     check compares outputs, not a loss).
     """
@@ -99,8 +99,8 @@ def recording(
                 continue
 
             def observe(args: Any, kwargs: Any, _path: str = d.path) -> None:
-                if _path not in into:
-                    into[_path] = _record(args, kwargs, held)
+                if _path not in into:  # copies: the kernel called next may work in place (liger's rope)
+                    into[_path] = _record(clone_tensors(args), clone_tensors(kwargs), held)
 
             router.observers.append(observe)
             observers.append((router, observe))
@@ -114,7 +114,23 @@ def recording(
 
 
 def _record(args: Any, kwargs: Any, held: torch.device | None) -> tuple[Any, Any]:
-    return move_tensors(cast_floats(args, torch.float32), held), move_tensors(cast_floats(kwargs, torch.float32), held)
+    """The inputs detached, in their own dtype, on ``held``.
+
+    Why not cast to fp32 here: each check casts them to the dtypes it runs (fp32 and the
+    model's low precision), which is exact from a bf16 input either way; recorded during the
+    original's run, an fp32 copy of every bf16 input would sit on top of that training step.
+    """
+    return move_tensors(_detached(args), held), move_tensors(_detached(kwargs), held)
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
 
 
 def _vision_step(model: nn.Module) -> None:
