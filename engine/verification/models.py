@@ -147,7 +147,8 @@ def _compare(
     truth_runs = not exact and not grads.missing
     # the values wait here only until judged: the truth judges them after its forward and drops them
     # (and its own fp64 logits) before its backward, the truth's peak
-    waiting = {head: (logits_what, pat_logits, ref.get() if truth_runs else ref.value),
+    # on a CPU the patched logits are not kept for that: their difference from the original's is in `seen`
+    waiting = {head: (logits_what, pat_logits if ref.keeps else None, ref.get() if truth_runs else ref.value),
                "loss": ("loss", pat_loss, ref_loss)}
     del pat_logits, pat_loss, ref_loss
     ref.value = None  # only `waiting` holds it now: judged and dropped after the truth's forward
@@ -186,7 +187,7 @@ class _OriginalOutput:
 
     def __init__(self, value: torch.Tensor, recompute: Callable[[], torch.Tensor], *, keep: bool) -> None:
         self.value: torch.Tensor | None = value
-        self._recompute, self._keep = recompute, keep
+        self._recompute, self.keeps = recompute, keep
 
     def get(self) -> torch.Tensor:
         if self.value is None:
@@ -194,7 +195,7 @@ class _OriginalOutput:
         return self.value
 
     def drop(self) -> None:
-        if not self._keep:
+        if not self.keeps:
             self.value = None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, noise_note
+from engine.verification.compare import DTYPE_NAMES, allowed, compare, judge, judge_difference, noise_note
 from engine.verification.low_precision import (
     LOW_PRECISION,
     judge_loss,
@@ -58,14 +58,14 @@ def loss_noise(waiting: dict[str, Any], head: str, truth: dict[str, Any], batch:
     return token_loss_noise(original, exact, labels, truth["loss"])
 
 
-def value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.Tensor | None, truth: Any,
+def value_check(cls: str, what: str, dtype: str, got: torch.Tensor | None, want: torch.Tensor | None, truth: Any,
                 typical: float | None = None, seen: Seen | None = None) -> Check:
     """The check of one value (logits, loss): bit-equal, or judged against the truth.
 
-    ``want`` may be None where the original's value was dropped after ``seen`` was taken (no
-    truth ran, so only the difference is reported).
+    ``got`` or ``want`` may be None where it was dropped after ``seen`` was taken (the patched
+    value where it waits in the model's memory; the original's where no truth runs).
     """
-    if want is None:
+    if want is None or got is None:
         assert seen is not None
         ma, mr, equal = seen
     else:
@@ -74,11 +74,13 @@ def value_check(cls: str, what: str, dtype: str, got: torch.Tensor, want: torch.
         return Check(MODEL, cls, "-", what, dtype, ma, mr, True)
     if truth is None:
         return Check(MODEL, cls, "-", what, dtype, ma, mr, False, "not judged: a gradient is missing")
-    if typical is not None and got.shape == want.shape and got.dtype == want.dtype:  # a low-precision loss
-        passed, note = judge_loss(got, want, truth, typical)
+    assert want is not None  # a truth ran: the original's value was made again for it
+    if typical is not None and got is not None and got.shape == want.shape and got.dtype == want.dtype:
+        passed, note = judge_loss(got, want, truth, typical)  # a low-precision loss
         return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
     # a low-precision model's logits and loss: two tensors judged as the gradients' population is
-    passed, note = judge(got, want, truth, tensor_limit(2) if want.dtype in LOW_PRECISION else 1.0)
+    bound = tensor_limit(2) if want.dtype in LOW_PRECISION else 1.0
+    passed, note = judge(got, want, truth, bound) if got is not None else judge_difference(ma, want, truth, bound)
     return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
 
 
