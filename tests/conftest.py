@@ -29,7 +29,7 @@ def tiny_for(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, **
     tiny = ps.tiny_model
     model_type = (tiny.model_type if tiny and tiny.model_type else None) or ps.model_types[0]
     config = {**(tiny.config if tiny else {}), **overrides}
-    return build_tiny_model(model_type, config, dtype=dtype, seed=seed)
+    return build_tiny_model(model_type, config, dtype=dtype, seed=seed, random_buffers=tiny.random_buffers if tiny else None)
 
 
 @pytest.fixture

@@ -113,7 +113,8 @@ def _tiny_model(patchset: str | Patchset) -> nn.Module:
 
     ps = patchset if isinstance(patchset, Patchset) else load_patchset(patchset)
     check_release(ps, tiny_model_type(ps))  # the version refusal comes before anything is built
-    return build_tiny_model(tiny_model_type(ps), ps.tiny_model.config if ps.tiny_model else {})
+    tiny = ps.tiny_model
+    return build_tiny_model(tiny_model_type(ps), tiny.config if tiny else {}, random_buffers=tiny.random_buffers if tiny else None)
 
 
 def verify_patchset(patchset: str | Patchset) -> tuple[bool, str]:

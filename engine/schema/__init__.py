@@ -320,6 +320,14 @@ class TinyModel(StrictModel):
 
     model_type: str | None = Field(default=None, description="Defaults to the first of model_types.")
     config: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of AutoConfig.for_model.")
+    random_buffers: dict[str, int | str] = Field(
+        default_factory=dict,
+        description=(
+            "Integer buffers a checkpoint fills and transformers' init leaves at zero (a hash router's token-to-expert "
+            "table), filled with seeded random values so the tiny model exercises them: buffer name (the last part of "
+            "its path) -> exclusive upper bound, an int or the name of a config attribute (n_routed_experts)."
+        ),
+    )
 
 
 class Patchset(StrictModel):

@@ -10,6 +10,7 @@ exactly 0 or 1), so norm weights end up around 1 for ``weight`` norms and around
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -134,6 +135,7 @@ def build_tiny_model(
     seed: int = 0,
     perturb: bool = True,
     attn_implementation: str | None = "eager",
+    random_buffers: Mapping[str, int | str] | None = None,
 ) -> nn.Module:
     """A causal LM of ``model_type`` with the tiny base sizes plus ``config`` overrides.
 
@@ -143,6 +145,8 @@ def build_tiny_model(
     For a composite (multimodal) type the whole model is built (language model and vision
     tower): the base sizes go to ``text_config``, and ``config`` may give ``text_config`` and
     ``vision_config`` dicts.
+
+    ``random_buffers``: a patchset's ``tiny_model.random_buffers`` (:func:`fill_random_buffers`).
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -160,7 +164,45 @@ def build_tiny_model(
     model = model_cls._from_config(cfg) if hasattr(model_cls, "_from_config") else model_cls.from_config(cfg)
     if perturb:
         perturb_(model, seed=seed)
+    if random_buffers:
+        fill_random_buffers(model, random_buffers, seed=seed)
     return model.to(dtype)
+
+
+def fill_random_buffers(model: nn.Module, bounds: Mapping[str, int | str], *, seed: int = 0) -> None:
+    """Fill each integer buffer named in ``bounds`` with seeded random values in ``[0, bound)``, distinct along its last dim where they fit.
+
+    Why: a table a checkpoint fills (DeepSeek-V4's hash router ``tid2eid``, token -> experts) is
+    all zeros in a model built from a config, so every token goes to expert 0 and a check of
+    that routing compares zeros with zeros. A bound is an int or the name of a config attribute
+    (``n_routed_experts``), looked up on the buffer's own config-bearing model first.
+
+    Raises:
+        InvalidArgument: a name matches no integer buffer, or a bound is neither a positive int
+            nor a config attribute holding one.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name, bound in bounds.items():
+        high = getattr(config, bound, None) if isinstance(bound, str) else bound
+        if not isinstance(high, int) or isinstance(high, bool) or high < 1:
+            raise InvalidArgument(
+                f"tiny_model.random_buffers.{name}: the bound {bound!r} is not a positive int nor a config attribute "
+                f"holding one ({type(model.config).__name__}.{bound} = {high!r}); give an int or an attribute name")
+        found = [(path, buf) for path, buf in model.named_buffers()
+                 if path.rsplit(".", 1)[-1] == name and not buf.is_floating_point()]
+        if not found:
+            integer = sorted({p.rsplit(".", 1)[-1] for p, b in model.named_buffers() if not b.is_floating_point()})
+            raise InvalidArgument(
+                f"tiny_model.random_buffers.{name}: {type(model).__name__} has no integer buffer named {name!r}; "
+                f"its integer buffers: {', '.join(integer) or 'none'}")
+        with torch.no_grad():
+            for _, buf in found:
+                if buf.dim() >= 1 and buf.shape[-1] <= high:  # distinct values along the last dim (a token's experts)
+                    draw = torch.rand((*buf.shape[:-1], high), generator=gen).argsort(dim=-1)[..., :buf.shape[-1]]
+                else:
+                    draw = torch.randint(0, high, buf.shape, generator=gen)
+                buf.copy_(draw.to(buf.dtype))
 
 
 def _patchset_file(patchset: Any) -> str | None:
@@ -227,12 +269,14 @@ def build_tiny_for(
     file = _patchset_file(patchset)
     check_tiny_config(mt, config, file=file)
     try:
-        model = build_tiny_model(mt, config, dtype=dtype, seed=seed)
+        model = build_tiny_model(mt, config, dtype=dtype, seed=seed, random_buffers=tiny.random_buffers if tiny else None)
         from engine.runtime.hub_functions import torch_path
 
         smoke = vision_only_inputs(model, batch=1) or {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
         with torch.no_grad(), torch_path(model):  # values that build but do not fit (heads vs kv heads) fail here
             model(**smoke)
+    except InvalidArgument as exc:  # our own, from tiny_model.random_buffers: it names its key
+        raise PatchsetError(str(exc), file=file, key="tiny_model.random_buffers") from exc
     except Exception as exc:  # whatever transformers' config, model __init__ or forward raises for these values
         raise PatchsetError(
             f"building a tiny {mt} model from it failed: {type(exc).__name__}: {str(exc).strip()}. "
