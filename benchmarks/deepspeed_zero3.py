@@ -198,8 +198,11 @@ FSDP2_HEADS = ("own", "with-norm", "with-norm-async", "root")
 
 #: ``--fsdp2-embed``: how an untied model's ``embed_tokens`` is sharded. ``own``: its own unit
 #: (``fully_shard(model.model.embed_tokens)``, before the layers: whole only for its own forward and backward);
-#: ``root``: in the root's unit (whole from the root's forward start to its end).
-FSDP2_EMBEDS = ("root", "own")
+#: ``with-layer0``: one unit with the first decoder layer, the embedding's weight first
+#: (``fully_shard([model.model.embed_tokens, model.model.layers[0]])``: the unit's last gradient is the layer's, not
+#: the ``[V, H]`` one, see :func:`shard_untied_head`); ``root``: in the root's unit (whole from the root's forward
+#: start to its end).
+FSDP2_EMBEDS = ("root", "own", "with-layer0")
 
 
 def shard_untied_head(model: Any, how: str) -> None:
@@ -233,9 +236,12 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
     model.train()
     if variant != "unpatched":
         engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
+    layers = list(model.model.layers)
     if not tied and embed == "own":  # a tied embedding shares its weight with the head: stays in the root's unit
         fully_shard(model.model.embed_tokens)
-    for layer in model.model.layers:
+    elif not tied and embed == "with-layer0":
+        fully_shard([model.model.embed_tokens, layers.pop(0)])
+    for layer in layers:
         fully_shard(layer)
     if not tied:  # its own unit (alone or with the norm): whole for its forward and backward only
         shard_untied_head(model, head)
@@ -298,8 +304,10 @@ def label(row: dict[str, Any]) -> str:
     head = {"with-norm": " (fully_shard([lm_head, norm]))", "root": " (lm_head in the root's unit)",
             "with-norm-async": " (fully_shard([lm_head, norm]), async unshard)"}.get(
         row.get("fsdp2_head") or "own", "")
-    if (row.get("fsdp2_embed") or "root") == "own":
-        head = (head[:-1] + ", " if head else " (") + "embed_tokens in its own unit)"
+    embed = {"own": "embed_tokens in its own unit", "with-layer0": "fully_shard([embed_tokens, layers[0]])"}.get(
+        row.get("fsdp2_embed") or "root")
+    if embed:
+        head = (head[:-1] + ", " if head else " (") + embed + ")"
     return row["framework"] + (f" (reduce_bucket_size {bucket:.0e})".replace("e+0", "e") if bucket else "") + head
 
 
@@ -382,7 +390,8 @@ def main() -> None:
                              "lm_head._set_unshard_async_op(True); root = no unit of its own")
     parser.add_argument("--fsdp2-embed", choices=FSDP2_EMBEDS, nargs="+", default=["root"],
                         help="FSDP2, untied: root = embed_tokens in the root's unit (unsharded for the whole root "
-                             "forward); own = fully_shard(model.model.embed_tokens) before the layers")
+                             "forward); own = fully_shard(model.model.embed_tokens) before the layers; with-layer0 = "
+                             "fully_shard([model.model.embed_tokens, model.model.layers[0]]) (its gradient not its unit's last)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
