@@ -20,7 +20,8 @@ the root's unit), and on the model; one measured step: forward, ``backward``, SG
 ``--fsdp2-head with-norm`` shards the untied head in one unit with the final norm instead (see
 :func:`shard_untied_head`), ``with-norm-async`` also unshards that unit with ``async_op``, ``root``
 leaves the head in the root's unit. ``--fsdp2-embed own`` gives ``model.model.embed_tokens`` a unit of its own
-(untied only; default ``root``: the embedding in the root's unit, unsharded for the whole root forward).
+(untied only; default ``root``: the embedding in the root's unit, unsharded for the whole root forward),
+``with-layer0`` one unit with the first decoder layer (the embedding's weight first).
 
 Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_entropy=True)``).
 
@@ -31,6 +32,9 @@ Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_e
     DS_ACCELERATOR=cpu flock /work/wt/heavy.lock taskset -c 1 python benchmarks/deepspeed_zero3.py \\
         --framework fsdp2 zero3 --seq 1024 --tied untied --fsdp2-head own with-norm with-norm-async root \\
         --reduce-bucket-size 0 5e7 --append --out benchmarks/results/sharded_head_cpu.json
+    DS_ACCELERATOR=cpu flock /work/wt/heavy.lock taskset -c 1 python benchmarks/deepspeed_zero3.py \
+        --framework fsdp2 --seq 1024 --tied untied --fsdp2-head with-norm --fsdp2-embed own root with-layer0 \
+        --append --out benchmarks/results/sharded_head_cpu.json
 
 (At 4,096 tokens an unpatched rank needs about 9 GiB over its baseline; ``--rank1-seq 64`` has rank 1
 run 64 tokens, so only rank 0's row is a measurement, and the two ranks fit beside other jobs.)
@@ -318,7 +322,8 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
         (f"Qwen3, 4 layers, vocab {VOCAB:,}, fp32 (hidden {HIDDEN}, 16 heads, intermediate 3072; `--hidden 256`: "
          "4 heads, intermediate 768), one sequence per rank; ZeRO-3: built under "
          "zero.Init, `stage3_param_persistence_threshold: 0`; FSDP2: `fully_shard` on each layer, on `lm_head` when "
-         "untied (alone, or as the framework column says), and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
+         "untied (alone, or as the framework column says, which also names a unit for an untied `embed_tokens`), "
+         "and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
          "a warm-up step, from the allocator (torch.profiler); ranks 0 / 1 (one number: rank 0 alone, where rank 1 "
          "ran a shorter sequence, `--rank1-seq`, so that the run fits in this machine's memory)."),
         "",
