@@ -344,7 +344,7 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
         lines.append(
             f"| {label(r)} | {r.get('hidden', HIDDEN)} | {r['seq']} | {'tied' if r['tied'] else 'untied'} | {r['variant']} | "
             + " / ".join(f"{g['peak_mib']:.0f}" for g in group) + " | "
-            + " / ".join(f"{x:.2f}x" for x in ratios) + " | "
+            + " / ".join(f"{x:.2f}x" if x == x else "-" for x in ratios) + " | "
             + " / ".join(f"{g['mib_when_backbone_starts']:.0f}" for g in group)
             + f" | {registered} | {max(g['seconds'] for g in group):.1f} |")
     lines += ["", ("At each peak (rank 0): the ops running, and the step's buffers of 64 MiB or more then alive "
