@@ -19,7 +19,9 @@ for its forward and its backward; a tied head shares its weight with the embeddi
 the root's unit), and on the model; one measured step: forward, ``backward``, SGD step.
 ``--fsdp2-head with-norm`` shards the untied head in one unit with the final norm instead (see
 :func:`shard_untied_head`), ``with-norm-async`` also unshards that unit with ``async_op``, ``root``
-leaves the head in the root's unit.
+leaves the head in the root's unit. ``--fsdp2-embed own`` gives ``model.model.embed_tokens`` a unit of its own
+(untied only; default ``root``: the embedding in the root's unit, unsharded for the whole root forward),
+``with-layer0`` one unit with the first decoder layer (the embedding's weight first).
 
 Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_entropy=True)``).
 
@@ -30,6 +32,9 @@ Variants: ``unpatched``; ``fused`` (``engine.apply(model, "qwen3", fused_cross_e
     DS_ACCELERATOR=cpu flock /work/wt/heavy.lock taskset -c 1 python benchmarks/deepspeed_zero3.py \\
         --framework fsdp2 zero3 --seq 1024 --tied untied --fsdp2-head own with-norm with-norm-async root \\
         --reduce-bucket-size 0 5e7 --append --out benchmarks/results/sharded_head_cpu.json
+    DS_ACCELERATOR=cpu flock /work/wt/heavy.lock taskset -c 1 python benchmarks/deepspeed_zero3.py \
+        --framework fsdp2 --seq 1024 --tied untied --fsdp2-head with-norm --fsdp2-embed own root with-layer0 \
+        --append --out benchmarks/results/sharded_head_cpu.json
 
 (At 4,096 tokens an unpatched rank needs about 9 GiB over its baseline; ``--rank1-seq 64`` has rank 1
 run 64 tokens, so only rank 0's row is a measurement, and the two ranks fit beside other jobs.)
@@ -195,6 +200,15 @@ def run_variant(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, 
 FSDP2_HEADS = ("own", "with-norm", "with-norm-async", "root")
 
 
+#: ``--fsdp2-embed``: how an untied model's ``embed_tokens`` is sharded. ``own``: its own unit
+#: (``fully_shard(model.model.embed_tokens)``, before the layers: whole only for its own forward and backward);
+#: ``with-layer0``: one unit with the first decoder layer, the embedding's weight first
+#: (``fully_shard([model.model.embed_tokens, model.model.layers[0]])``: the unit's last gradient is the layer's, not
+#: the ``[V, H]`` one, see :func:`shard_untied_head`); ``root``: in the root's unit (whole from the root's forward
+#: start to its end).
+FSDP2_EMBEDS = ("root", "own", "with-layer0")
+
+
 def shard_untied_head(model: Any, how: str) -> None:
     """``fully_shard`` on the untied head as ``how`` says (see :data:`FSDP2_HEADS`), before the root's.
 
@@ -214,7 +228,7 @@ def shard_untied_head(model: Any, how: str) -> None:
 
 
 def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, int],
-              head: str = "own") -> dict[str, Any]:
+              head: str = "own", embed: str = "root") -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -226,7 +240,12 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
     model.train()
     if variant != "unpatched":
         engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
-    for layer in model.model.layers:
+    layers = list(model.model.layers)
+    if not tied and embed == "own":  # a tied embedding shares its weight with the head: stays in the root's unit
+        fully_shard(model.model.embed_tokens)
+    elif not tied and embed == "with-layer0":
+        fully_shard([model.model.embed_tokens, layers.pop(0)])
+    for layer in layers:
         fully_shard(layer)
     if not tied:  # its own unit (alone or with the norm): whole for its forward and backward only
         shard_untied_head(model, head)
@@ -246,7 +265,7 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
     order = [p._param_fqn for p in group.fsdp_params] if group else None  # the reduce-scatter's order
     peak, at_backbone, seconds = peak_rise(step)
     row = {"framework": "fsdp2", "hidden": config.hidden_size, "variant": variant, "tied": tied, "seq": seq, "rank": rank,
-           "fsdp2_head": None if tied else head, "head_unit_params": order,
+           "fsdp2_head": None if tied else head, "fsdp2_embed": None if tied else embed, "head_unit_params": order,
            "peak_mib": round(peak, 1), "mib_when_backbone_starts": round(at_backbone, 1),
            "seconds": round(seconds, 2), "warmup_loss": warm, "head_registered_on_root": None,
            "peak_ops": PEAK_OPS, "alive_at_peak": ALIVE_AT_PEAK}
@@ -255,7 +274,7 @@ def run_fsdp2(variant: str, tied: bool, seq: int, rank: int, sizes: dict[str, in
 
 def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: str, sizes: dict[str, int],
            lean: bool = False, rank1_seq: int | None = None, bucket: int | None = None,
-           fsdp2_head: str = "own") -> None:
+           fsdp2_head: str = "own", fsdp2_embed: str = "root") -> None:
     if rank == 1 and rank1_seq:  # a shorter sequence on rank 1 (only rank 0's row is then the measurement)
         seq = rank1_seq
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)})
@@ -269,7 +288,7 @@ def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: s
             deepspeed.init_distributed(dist_backend="gloo")
             row = run_variant(variant, tied, seq, rank, sizes, lean, bucket)
         else:
-            row = run_fsdp2(variant, tied, seq, rank, sizes, fsdp2_head)
+            row = run_fsdp2(variant, tied, seq, rank, sizes, fsdp2_head, fsdp2_embed)
         Path(f"{out}/rows{rank}.json").write_text(json.dumps([row]))
     finally:
         dist.destroy_process_group()
@@ -277,7 +296,8 @@ def worker(rank: int, out: str, framework: str, seq: int, tied: bool, variant: s
 
 def key(row: dict[str, Any]) -> tuple[Any, ...]:
     head = FSDP2_HEADS.index(row.get("fsdp2_head") or "own")
-    return (FRAMEWORKS.index(row["framework"]), row.get("reduce_bucket_size") or 0, head, row.get("hidden", HIDDEN),
+    embed = FSDP2_EMBEDS.index(row.get("fsdp2_embed") or "root")
+    return (FRAMEWORKS.index(row["framework"]), row.get("reduce_bucket_size") or 0, head, embed, row.get("hidden", HIDDEN),
             row["seq"], row["tied"], VARIANTS.index(row["variant"]), row["rank"])
 
 
@@ -288,6 +308,10 @@ def label(row: dict[str, Any]) -> str:
     head = {"with-norm": " (fully_shard([lm_head, norm]))", "root": " (lm_head in the root's unit)",
             "with-norm-async": " (fully_shard([lm_head, norm]), async unshard)"}.get(
         row.get("fsdp2_head") or "own", "")
+    embed = {"own": "embed_tokens in its own unit", "with-layer0": "fully_shard([embed_tokens, layers[0]])"}.get(
+        row.get("fsdp2_embed") or "root")
+    if embed:
+        head = (head[:-1] + ", " if head else " (") + embed + ")"
     return row["framework"] + (f" (reduce_bucket_size {bucket:.0e})".replace("e+0", "e") if bucket else "") + head
 
 
@@ -298,7 +322,8 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
         (f"Qwen3, 4 layers, vocab {VOCAB:,}, fp32 (hidden {HIDDEN}, 16 heads, intermediate 3072; `--hidden 256`: "
          "4 heads, intermediate 768), one sequence per rank; ZeRO-3: built under "
          "zero.Init, `stage3_param_persistence_threshold: 0`; FSDP2: `fully_shard` on each layer, on `lm_head` when "
-         "untied (alone, or as the framework column says), and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
+         "untied (alone, or as the framework column says, which also names a unit for an untied `embed_tokens`), "
+         "and on the model. Peak rise of allocated memory over one step (forward, backward, SGD step) after "
          "a warm-up step, from the allocator (torch.profiler); ranks 0 / 1 (one number: rank 0 alone, where rank 1 "
          "ran a shorter sequence, `--rank1-seq`, so that the run fits in this machine's memory)."),
         "",
@@ -319,7 +344,7 @@ def markdown(rows: list[dict[str, Any]], commands: list[str]) -> str:
         lines.append(
             f"| {label(r)} | {r.get('hidden', HIDDEN)} | {r['seq']} | {'tied' if r['tied'] else 'untied'} | {r['variant']} | "
             + " / ".join(f"{g['peak_mib']:.0f}" for g in group) + " | "
-            + " / ".join(f"{x:.2f}x" for x in ratios) + " | "
+            + " / ".join(f"{x:.2f}x" if x == x else "-" for x in ratios) + " | "
             + " / ".join(f"{g['mib_when_backbone_starts']:.0f}" for g in group)
             + f" | {registered} | {max(g['seconds'] for g in group):.1f} |")
     lines += ["", ("At each peak (rank 0): the ops running, and the step's buffers of 64 MiB or more then alive "
@@ -368,6 +393,10 @@ def main() -> None:
                         help="FSDP2, untied: own = fully_shard(model.lm_head); with-norm = fully_shard([model.lm_head, "
                              "model.model.norm]) (the head's gradient not the last of its unit); with-norm-async = that and "
                              "lm_head._set_unshard_async_op(True); root = no unit of its own")
+    parser.add_argument("--fsdp2-embed", choices=FSDP2_EMBEDS, nargs="+", default=["root"],
+                        help="FSDP2, untied: root = embed_tokens in the root's unit (unsharded for the whole root "
+                             "forward); own = fully_shard(model.model.embed_tokens) before the layers; with-layer0 = "
+                             "fully_shard([model.model.embed_tokens, model.model.layers[0]]) (its gradient not its unit's last)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script (not a result)")
     args = parser.parse_args()
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -385,14 +414,15 @@ def main() -> None:
     runs = [(framework, seq, tied, setting, variant) for framework in args.framework for seq in args.seq
             for tied in tieds
             for setting in ([int(b) or None for b in args.reduce_bucket_size] if framework.startswith("zero3")
-                            else args.fsdp2_head if not tied else ["own"])
+                            else [(h, e) for h in args.fsdp2_head for e in args.fsdp2_embed] if not tied
+                            else [("own", "root")])
             for variant in args.variants]
     for framework, seq, tied, setting, variant in runs:  # one process group per run: freed memory stays in none
         with tempfile.TemporaryDirectory() as out:
             args_ = (out, framework.removesuffix("-lean"), seq, tied, variant, sizes,
                      framework.endswith("-lean"), args.rank1_seq,
                      setting if framework.startswith("zero3") else None,
-                     setting if framework == "fsdp2" else "own")
+                     *(setting if framework == "fsdp2" else ("own", "root")))
             mp.spawn(worker, args=args_, nprocs=WORLD, join=True)
             ranks = [0] if args.rank1_seq else range(WORLD)  # rank 1 then ran another length
             new = [row | {"rank1_seq": args.rank1_seq} for rank in ranks

@@ -121,7 +121,9 @@ def fused_head_worker(rank: int, out: str) -> None:
     fused kernel runs as that forward); tied, it shares its weight with the embedding and stays in
     the root's unit. ``untied, with norm``: the fused run with ``fully_shard([model.lm_head,
     model.model.norm])`` (docs/training.md: the head's gradient not the last of its unit), against
-    the unpatched run with the head its own unit; it also records the unit's parameter order and how
+    the unpatched run with the head its own unit, and that with ``fully_shard([model.model.embed_tokens,
+    model.model.layers[0]])`` too (the embedding whole for its unit's forward and backward only, not the root's
+    whole forward); it also records the unit's parameter order and how
     often the head's forward hooks ran per step (once: the original forward's zero-row call skips them).
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -160,6 +162,15 @@ def fused_head_worker(rank: int, out: str) -> None:
         results["untied, with norm"] = [results["untied"][0], train_with_grads(model, batches_for(rank))]
         group = model.lm_head._get_fsdp_state()._fsdp_param_group
         grouped = {"order": [p._param_fqn for p in group.fsdp_params], "head_calls": len(calls)}
+        model = tiny_for("qwen3", tie_word_embeddings=False)  # and the embedding in one unit with the first layer
+        engine.apply(model, "qwen3", device="cpu", mode="training", fused_cross_entropy=True)
+        fully_shard([model.model.embed_tokens, model.model.layers[0]])
+        for layer in model.model.layers[1:]:
+            fully_shard(layer)
+        fully_shard([model.lm_head, model.model.norm])
+        fully_shard(model)
+        results["untied, with norm, embedding with layer 0"] = [results["untied"][0],
+                                                                train_with_grads(model, batches_for(rank))]
         torch.save(results, f"{out}/fused{rank}.pt")
         torch.save(grouped, f"{out}/grouped{rank}.pt")
         torch.save({fused: head_step_peak_mib(fused, rank) for fused in (False, True)}, f"{out}/peak{rank}.pt")
