@@ -225,9 +225,7 @@ def judge(got: Any, original: Any, truth: Any, bound: float = 1.0) -> tuple[bool
         if torch.equal(g, o):
             continue
         diff = max_abs_diff(g, o)
-        noise = max_abs_diff(o, t)
-        limit = allowed(noise, max_abs(t), o.dtype)
-        ratio = diff / limit if limit else float("inf")
+        ratio, noise = _ratio(diff, o, t)
         if worst is None or ratio > worst[0]:
             worst = (ratio, diff, noise, max_abs_diff(g, t))
     if worst is None:
@@ -243,9 +241,15 @@ def judge_difference(diff: float, original: torch.Tensor, truth: torch.Tensor, b
     the rule needs only that difference, the original and the truth (the note then cannot say
     how far the patched result is from the truth).
     """
+    ratio, noise = _ratio(diff, original, truth)
+    return ratio <= bound, noise_note(diff, noise)
+
+
+def _ratio(diff: float, original: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
+    """``(diff / the limit the rule allows, the original's own error)``: the rule :func:`judge` applies."""
     noise = max_abs_diff(original, truth)
     limit = allowed(noise, max_abs(truth), original.dtype)
-    return (diff / limit if limit else float("inf")) <= bound, noise_note(diff, noise)
+    return (diff / limit if limit else float("inf")), noise
 
 
 def noise_note(diff: float, noise: float, far: float | None = None) -> str:

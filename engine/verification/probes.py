@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from engine.runtime import routing
 from engine.verification.compare import clone_tensors, move_tensors
@@ -124,13 +125,7 @@ def _record(args: Any, kwargs: Any, held: torch.device | None) -> tuple[Any, Any
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
 
 
 def _vision_step(model: nn.Module) -> None:
