@@ -78,6 +78,38 @@ def test_the_blockwise_cross_entropy_is_torch_s_in_fp64(reduction: str, monkeypa
     assert torch.allclose(g_mine, g_want, rtol=1e-12, atol=1e-15) and bool((g_mine[[2, 7]] == 0).all())
 
 
+@pytest.mark.parametrize("z_loss", [False, True])
+def test_the_cross_entropy_writes_its_gradient_into_scores_only_nothing_else_reads(z_loss: bool, monkeypatch) -> None:
+    """Once the caller dropped the outputs, the scores' gradient takes their place, unless another backward saved them."""
+    monkeypatch.setattr(truth_mod, "_BIG", 0)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(11, 37, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 37, (11,), generator=gen)
+    free: list[bool] = []
+    backward = truth_mod._WideCrossEntropy.backward
+
+    def watched(ctx: Any, grad: torch.Tensor) -> Any:
+        free.append(ctx.mode.scores_free(ctx.saved_tensors[0]))
+        out = backward(ctx, grad)
+        assert (out[0].untyped_storage().data_ptr() == ctx.saved_tensors[0].untyped_storage().data_ptr()) == free[-1]
+        return out
+
+    monkeypatch.setattr(truth_mod._WideCrossEntropy, "backward", staticmethod(watched))
+
+    def loss_of(scores: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(scores, target)
+        return loss + 1e-2 * torch.logsumexp(scores, -1).square().mean() if z_loss else loss  # a z-loss saves the scores
+
+    for dropped in (False, True):
+        with fp64_truth(None) as mode:
+            loss = loss_of(w * 1.5)  # the scores: nothing but the graph holds them
+        mode.outputs_dropped = dropped
+        (mine,) = torch.autograd.grad(loss, w)
+        (want,) = torch.autograd.grad(loss_of(w * 1.5), w)
+        assert torch.allclose(mine, want, rtol=1e-12, atol=1e-15)
+    assert free == [False, not z_loss]
+
+
 def _layered_truth(model: torch.nn.Module, batch: dict, *, layered: bool, seed: int = 0) -> tuple[Any, ...]:
     """The truth through ``models``' path: decoder layers recomputed, head gradients handed over in row blocks."""
     whole: dict[str, torch.Tensor] = {}

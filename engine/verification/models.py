@@ -372,7 +372,8 @@ def _truth_run(
         batch = {**batch, "use_cache": False}  # a cache would be written again when a layer is recomputed
     def between(out: Any) -> None:
         judge_values({head: out[head].detach(), "loss": out["loss"].detach()})
-        out[head] = None  # the fp64 logits: nothing else holds them (the loss saved its log-softmax)
+        out[head] = None  # the fp64 logits: only the loss's backward reads them now ...
+        truth.mode.outputs_dropped = True  # ... and may write their gradient into them
 
     with _no_checkpointing(original), recomputed_layers(original, truth.mode):
         _run(original, batch, forward_in=truth, between=between)

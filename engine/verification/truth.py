@@ -33,6 +33,7 @@ gradient at a time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
@@ -146,11 +147,14 @@ class _WideCrossEntropy(torch.autograd.Function):
     Why: torch's keeps its ``[tokens, vocab]`` log-softmax for the backward and makes two more of
     that size there; in fp64 (Gemma 3's 262k vocabulary, 320 tokens: 640 MiB each) they were
     the truth's peak. Here the forward keeps one logsumexp per row, and the backward writes the
-    scores' gradient ``(softmax - onehot) * scale`` block by block: the scores and their gradient.
+    scores' gradient ``(softmax - onehot) * scale`` block by block, into the scores themselves
+    when nothing else can read them any more (:meth:`Fp64.scores_free`): then the truth's head
+    holds one ``[tokens, vocab]`` fp64 tensor, not two.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, ignore: int, reduction: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, ignore: int, reduction: str,  # type: ignore[override]
+                mode: Fp64 | None = None) -> torch.Tensor:
         valid = target != ignore
         safe = target.masked_fill(~valid, 0)
         lse = x.new_empty(x.shape[0])
@@ -158,7 +162,7 @@ class _WideCrossEntropy(torch.autograd.Function):
             lse[s:e] = torch.logsumexp(x[s:e], dim=-1)
         losses = (lse - x.gather(1, safe.unsqueeze(1)).squeeze(1)).masked_fill(~valid, 0.0)
         ctx.save_for_backward(x, lse, safe, valid)
-        ctx.reduction = reduction
+        ctx.reduction, ctx.mode = reduction, mode
         if reduction == "none":
             return losses
         return losses.sum() if reduction == "sum" else losses.sum() / valid.sum()  # all ignored: nan, as torch
@@ -170,12 +174,12 @@ class _WideCrossEntropy(torch.autograd.Function):
             scale = grad * valid
         else:
             scale = (grad if ctx.reduction == "sum" else grad / valid.sum()).expand(x.shape[0]) * valid
-        out = torch.empty_like(x)
-        for s, e in _row_blocks(x):
+        out = x.detach() if ctx.mode is not None and ctx.mode.scores_free(x) else torch.empty_like(x)
+        for s, e in _row_blocks(x):  # each block read before it is written: in place is exact
             block = torch.exp(x[s:e] - lse[s:e, None])
             block.scatter_add_(1, safe[s:e, None], block.new_full((e - s, 1), -1.0))
             out[s:e] = block.mul_(scale[s:e, None])
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 def _row_blocks(x: torch.Tensor) -> Iterator[tuple[int, int]]:
@@ -244,6 +248,10 @@ class Fp64(TorchFunctionMode):
         self.counting = False
         #: ... and not again in the recomputation, which builds the graph the gradients come from
         self.recomputing = False
+        #: set by the caller once it holds none of the run's outputs (see :meth:`scores_free`)
+        self.outputs_dropped = False
+        #: how many times each storage was saved for the backward during the run (see :meth:`pack`)
+        self._saved: collections.Counter[int] = collections.Counter()
 
     def _sink_for(self, param: torch.Tensor) -> GradientSink | None:
         """The sink when this use of ``param`` sends it a gradient now; ``None`` otherwise."""
@@ -350,7 +358,7 @@ class Fp64(TorchFunctionMode):
                 or b.get("weight") is not None or b.get("size_average") is not None or b.get("reduce") is not None
                 or b.get("label_smoothing", 0.0) or b.get("reduction", "mean") not in ("mean", "sum", "none")):
             return None
-        return _WideCrossEntropy.apply(self._up(x), target, b.get("ignore_index", -100), b.get("reduction", "mean"))
+        return _WideCrossEntropy.apply(self._up(x), target, b.get("ignore_index", -100), b.get("reduction", "mean"), self)
 
     def _count(self, func: Any, out: Any) -> Any:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64:
@@ -366,7 +374,20 @@ class Fp64(TorchFunctionMode):
         entry = self._upcasts.get(id(base))
         if entry is not None and entry[0]() is base:
             return _ParamRef(entry[1], (tensor.size(), tensor.stride(), tensor.storage_offset()))
+        if tensor.is_floating_point():
+            self._saved[tensor.untyped_storage().data_ptr()] += 1
         return tensor
+
+    def scores_free(self, scores: torch.Tensor) -> bool:
+        """Whether the cross-entropy's backward may overwrite ``scores``: nothing else can read them.
+
+        True only when the caller has dropped the run's outputs (:attr:`outputs_dropped`: the
+        logits are a view of the same storage) and no other backward saved that storage (a
+        z-loss's ``logsumexp`` of the logits, say): then the cross-entropy's own saved reference
+        is the last reader. A storage freed and reused counts as saved too: a fresh buffer, never a
+        wrong one.
+        """
+        return self.outputs_dropped and self._saved[scores.untyped_storage().data_ptr()] <= 1
 
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
