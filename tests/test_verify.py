@@ -7,8 +7,11 @@ that fits. The model is left exactly as it was (apply(verify=True) reverts).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -149,6 +152,42 @@ def test_a_function_never_called_is_a_failure() -> None:
         "never called during the verification forward, so this patch changes nothing for this model: "
         "remove it, or check that the config exercises it"
     )
+
+
+def test_a_function_the_patched_model_no_longer_calls_is_a_failure(monkeypatch) -> None:
+    """A function's inputs are recorded in the original's run; the patched run must still call it.
+
+    Here the patched model's attention rotates without the routed name (as a patched attention
+    forward that inlines the rotation would), while the original's calls it: the rope patch then
+    changes nothing for the patched model, which verification must say.
+    """
+    from engine.verification import models
+
+    model = tiny_for("qwen3")
+    engine.apply(model, "qwen3", device="cpu")
+    routed = modeling_qwen3.apply_rotary_pos_emb
+    router = routing.router_for(modeling_qwen3.__name__, "apply_rotary_pos_emb")
+    in_original: list[bool] = []
+    real = models._original
+
+    @contextlib.contextmanager
+    def tracked(*args: Any, **kwargs: Any) -> Iterator[torch.nn.Module]:
+        in_original.append(True)
+        try:
+            with real(*args, **kwargs) as original:
+                yield original
+        finally:
+            in_original.pop()
+
+    monkeypatch.setattr(models, "_original", tracked)
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb",
+                        lambda *a, **k: (routed if in_original else router.original)(*a, **k))
+    report = engine.verify(model, modules="all", raise_on_failure=False)
+    (check,) = [c for c in report.checks if c.path.endswith("apply_rotary_pos_emb")]
+    assert not report.passed and (check.what, check.passed) == ("called", False)
+    assert "never by the patched one" in check.note
+    monkeypatch.undo()
+    assert engine.verify(model, modules="all").passed  # called by both: checked once, from the original's inputs
 
 
 def test_report_table_and_dict(qwen3: torch.nn.Module) -> None:

@@ -73,7 +73,8 @@ def capture_inputs(
 
 @contextlib.contextmanager
 def recording(
-    model: nn.Module, decisions: Sequence[Any], into: dict[str, Any], held: torch.device | None = None
+    model: nn.Module, decisions: Sequence[Any], into: dict[str, Any], held: torch.device | None = None,
+    inputs: bool = True,
 ) -> Iterator[dict[str, Any]]:
     """While the block runs, the first inputs each patched module and function of ``decisions`` receives go into ``into``.
 
@@ -81,7 +82,7 @@ def recording(
     the original's run of the whole-model check (a forward it makes anyway), which saves a
     forward of the model. Inputs are detached and put on ``held`` (in their own dtype); a
     ``labels`` keyword is left out (the capturing forward runs without labels, and a module
-    check compares outputs, not a loss).
+    check compares outputs, not a loss). ``inputs=False``: only that each was called (``True``), nothing copied.
     """
     modules = dict(model.named_modules())
     handles = []
@@ -91,7 +92,7 @@ def recording(
 
             def hook(module: nn.Module, args: Any, kwargs: Any, _path: str = d.path) -> None:
                 if _path not in into:
-                    into[_path] = _record(args, {k: v for k, v in kwargs.items() if k != "labels"}, held)
+                    into[_path] = _record(args, {k: v for k, v in kwargs.items() if k != "labels"}, held) if inputs else True
 
             handles.append(modules[d.path].register_forward_pre_hook(hook, with_kwargs=True))
         else:
@@ -101,7 +102,7 @@ def recording(
 
             def observe(args: Any, kwargs: Any, _path: str = d.path) -> None:
                 if _path not in into:  # copies: the kernel called next may work in place (liger's rope)
-                    into[_path] = _record(clone_tensors(args), clone_tensors(kwargs), held)
+                    into[_path] = _record(clone_tensors(args), clone_tensors(kwargs), held) if inputs else True
 
             router.observers.append(observe)
             observers.append((router, observe))

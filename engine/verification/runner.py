@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -115,16 +116,29 @@ def verify(
 
     model_checks: list[Check] = []
     if check_model:
-        # The modules' inputs are recorded in the original's run and checked right after it (their
-        # inputs released before the patched run, the peak); functions' in the patched run, where
-        # their routers are called. What neither reaches gets a capturing forward of its own below.
-        by_hooks = [d for d in checked if d.site is None]
+        # The modules' and functions' inputs are recorded in the original's run (a function's router
+        # is called there too) and checked right after it, their inputs released before the patched
+        # run, the peak. The patched run must still call each function itself (a module patch that
+        # bypasses it leaves its patch a no-op): there its router notes the call, copying nothing,
+        # and records the inputs of one the original did not reach. What neither reaches gets a
+        # capturing forward of its own below.
         by_router = [d for d in checked if d.site is not None]
-        alongside = Alongside(during_original=lambda: recording(model, by_hooks, captured, held),
-                              after_original=check_captured,
-                              during_patched=lambda: recording(model, by_router, captured, held))
+        called: dict[str, Any] = {}
+
+        @contextlib.contextmanager
+        def during_patched() -> Iterator[None]:
+            with recording(model, by_router, called, held, inputs=False), \
+                    recording(model, [d for d in by_router if d.path not in per_path], captured, held):
+                yield
+
+        alongside = Alongside(during_original=lambda: recording(model, checked, captured, held),
+                              after_original=check_captured, during_patched=during_patched)
         model_checks = compare_models(model, batch, offload=held, alongside=alongside)
         check_captured()
+        for d in by_router:
+            if d.path in per_path and d.path not in called:
+                per_path[d.path] = [Check(d.path, "function", d.op, "called", "-", 0.0, 0.0, False,
+                                          _NOT_CALLED_PATCHED, d.kernel or "-")]
     rest = [d for d in checked if d.path not in per_path]
     if rest:
         with seeded(model):
@@ -202,6 +216,10 @@ def _containers(decisions: Sequence[Any]) -> set[str]:
         {""} if "" in paths else set())
 
 
+_NOT_CALLED_PATCHED = (
+    "called by the original model but never by the patched one (a patched forward bypasses it), so this "
+    "patch changes nothing for this model: remove it, or the patch that replaces its caller"
+)
 _NOT_CALLED = (
     "never called during the verification forward, so this patch changes nothing for this model: "
     "remove it, or check that the config exercises it"
