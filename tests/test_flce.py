@@ -287,6 +287,16 @@ def _peak_rise(fn) -> int:
     return peak
 
 
+def _matmul_scratch(weight: torch.Tensor, chunk: int) -> int:
+    """The most the BLAS allocates for itself in one of the kernel's products, each written into a buffer given."""
+    weight, (v, h) = weight.detach(), weight.shape
+    grad, rows = torch.ones(chunk, v, dtype=weight.dtype), torch.ones(chunk, h, dtype=weight.dtype)
+    out_rows, out_w = torch.empty(chunk, h, dtype=weight.dtype), torch.empty(v, h, dtype=weight.dtype)
+    return max(_peak_rise(lambda: torch.mm(grad, weight, out=out_rows)),  # the hidden states' gradient
+               _peak_rise(lambda: out_w.addmm_(grad.t(), rows)),  # the weight's, accumulated
+               _peak_rise(lambda: torch.mm(rows, weight.t())) - chunk * v * weight.element_size())  # the logits
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_memory_one_chunk_at_a_time_and_gradients_in_place(dtype: torch.dtype) -> None:
     """Forward: the head gradient in the weight's dtype plus about one chunk (no fp32 [V, H] in bf16,
@@ -298,7 +308,8 @@ def test_memory_one_chunk_at_a_time_and_gradients_in_place(dtype: torch.dtype) -
     box = {}
     peak = _peak_rise(lambda: box.setdefault("loss", chunked_linear_cross_entropy(hidden, weight, target,
                                                                                   chunk_size=chunk)))
-    assert peak <= grad_w + 2 * grad_h + 1.5 * one_chunk, (peak, grad_w, one_chunk)
+    scratch = _matmul_scratch(weight, chunk)  # the BLAS's own workspace (oneDNN's bf16 on AMX CPUs: ~1 MB here)
+    assert peak <= grad_w + 2 * grad_h + 1.5 * one_chunk + scratch, (peak, grad_w, one_chunk, scratch)
     assert peak < grad_w + v * h * 4 or dtype is torch.float32  # no fp32 [V, H] temporary in bf16
     backward_peak = _peak_rise(lambda: (3.0 * box.pop("loss")).backward())
     assert backward_peak < v * h * elem / 4, backward_peak  # scaled in place, handed over as .grad
