@@ -38,7 +38,13 @@ from engine.errors import SignatureMismatch
 from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
 from engine.ops.causal_lm_head import HeadContract, head_weight, read_head_contract
 from engine.ops.flce_torch import chunked_linear_cross_entropy, linear_cross_entropy_reference
-from engine.ops.sharded_head import call_as_forward, is_sharded_head, zero_row_call_skipped
+from engine.ops.sharded_head import (
+    call_as_forward,
+    defers_gradients,
+    gradients_in_backward,
+    is_sharded_head,
+    zero_row_call_skipped,
+)
 from engine.ops.tied_gradient import deposit, tied_embedding_gradient
 from engine.ops.trl_head import check_not_replaced, refuse_trl_bypass, refuse_trl_caller
 from engine.ops.zero3 import peek
@@ -187,17 +193,24 @@ def _fused_forward(
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
+    deferred = defers_gradients(head)
+
     def head_loss(rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         weight = head_weight(head, f"{type(model).__name__}.{patch.lm_head}")  # whole here, also when sharded
         if mailbox is not None and mailbox.lookups and weight is raw_weight:
             weight = deposit(weight, mailbox)
-        return impl(
-            rows, weight, target, ignore_index=ignore_index, num_items_in_batch=extra.get("num_items_in_batch"),
-            chunk_size=patch.chunk_size, softcap=contract.softcap(model), logit_divisor=contract.divisor(model),
-        )
+
+        def loss_of(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return impl(
+                rows, weight, target, ignore_index=ignore_index, num_items_in_batch=extra.get("num_items_in_batch"),
+                chunk_size=patch.chunk_size, softcap=contract.softcap(model), logit_divisor=contract.divisor(model),
+            )
+
+        return gradients_in_backward(loss_of, rows, weight) if deferred else loss_of(rows, weight)
 
     rows, target = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device)
-    # A head sharded by ZeRO-3 or FSDP2 is gathered by its own hooks for the kernel only (engine.ops.sharded_head)
+    # A head sharded by ZeRO-3 or FSDP2 is gathered by its own hooks for the kernel only; an FSDP2
+    # unit's gradient is formed in the backward, where the gathered weight is all it holds (engine.ops.sharded_head)
     loss = call_as_forward(head, head_loss, rows, target) if is_sharded_head(head) else head_loss(rows, target)
     aux = out.get("aux_loss")
     coef = contract.aux_coef(model)

@@ -41,7 +41,7 @@ from torch import nn
 
 from engine.ops.zero3 import peek
 
-__all__ = ["call_as_forward", "is_sharded_head", "zero_row_call_skipped"]
+__all__ = ["call_as_forward", "defers_gradients", "gradients_in_backward", "is_sharded_head", "zero_row_call_skipped"]
 
 _MISSING = object()
 
@@ -67,6 +67,18 @@ def _fsdp2_unit(module: nn.Module) -> bool:
 def is_sharded_head(head: nn.Module) -> bool:
     """Whether ``head`` is whole only inside its own forward: partitioned by ZeRO-3, or an FSDP2 unit."""
     return _zero3_partitioned(head) or _fsdp2_unit(head)
+
+
+def defers_gradients(head: nn.Module) -> bool:
+    """Whether the fused kernel forms ``head``'s gradients in the backward (:func:`gradients_in_backward`): an FSDP2 unit.
+
+    Why FSDP2 only: it keeps the unit's all-gather output through the rest of the root's forward,
+    so a gradient formed in the forward is a third ``[V, H]`` buffer there (1,024 tokens per rank,
+    untied, ``fully_shard([lm_head, norm])``: 2950 -> 2623 MiB per rank, unpatched 3461). ZeRO-3
+    releases its gather earlier, and the deferred gradient measured higher there (2596 -> 2658 MiB
+    with ``reduce_bucket_size`` 5e7) for one more pass over the logits: it keeps the forward's.
+    """
+    return _fsdp2_unit(head)
 
 
 def call_as_forward(module: nn.Module, function: Callable[..., Any], *args: Any) -> Any:
@@ -122,3 +134,43 @@ def zero_row_call_skipped(model: nn.Module, path: str, head: nn.Module, weight: 
         yield
     finally:
         modules[name] = head
+
+
+class _GradientsInBackward(torch.autograd.Function):
+    """The loss without gradients in the forward; the kernel run again with gradients in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.loss_of = loss_of
+        ctx.save_for_backward(rows, weight)
+        return loss_of(rows.detach(), weight.detach())  # nothing requires a gradient: the loss alone
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        rows, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            inputs = (rows.detach().requires_grad_(need[0]), weight.detach().requires_grad_(need[1]))
+            loss = ctx.loss_of(*inputs)
+            wanted = [t for t, n in zip(inputs, need, strict=True) if n]
+            found = iter(torch.autograd.grad(loss, wanted, grad) if wanted else ())
+        return (next(found) if need[0] else None, next(found) if need[1] else None, None)
+
+
+def gradients_in_backward(
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: torch.Tensor, weight: torch.Tensor,
+) -> torch.Tensor:
+    """``loss_of(rows, weight)`` whose gradients are formed in the backward, not in the forward.
+
+    Why, for a sharded head: a fused kernel forms the head's ``[V, H]`` gradient in its forward
+    (nothing of size ``[tokens, vocab]`` waits for the backward), which is free when the weight
+    is whole anyway. Sharded, the forward is where ZeRO-3 and FSDP2 hold the most beside the
+    gathered weight: FSDP2 keeps the unit's all-gather output until the root's forward ends (a
+    second ``[V, H]``), so a gradient formed there is a third. Formed in the backward, the weight
+    (gathered again for it) and its gradient are all the head holds (:func:`defers_gradients`
+    says where; ``benchmarks/results/sharded_head_cpu.md``), for one more pass over the head's
+    logits (the loss is computed twice). Any provider's kernel: the loss and the gradients are
+    its own, recomputed on the same inputs (bit-equal).
+    """
+    return _GradientsInBackward.apply(rows, weight, loss_of)
