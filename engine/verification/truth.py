@@ -374,7 +374,7 @@ class Fp64(TorchFunctionMode):
         entry = self._upcasts.get(id(base))
         if entry is not None and entry[0]() is base:
             return _ParamRef(entry[1], (tensor.size(), tensor.stride(), tensor.storage_offset()))
-        if tensor.is_floating_point():
+        if tensor.is_floating_point() and tensor.layout == torch.strided:  # (a sparse tensor has no storage)
             self._saved[tensor.untyped_storage().data_ptr()] += 1
         return tensor
 
