@@ -131,6 +131,13 @@ def _forked(names: list[str], jobs: int, dtype: str = "fp32") -> Any:
             yield done.pop(order.pop(0))
 
 
+#: A row of the table whose reason starts with this is a whole-model judgement on one 8-token batch
+#: within a few percent of the limit, with other batches passing (``benchmarks/interpret_judge_control.py``
+#: says how far): how the original and the kernel happen to round on that batch depends on the CPU's
+#: own kernels (its BLAS path), so such a row may pass on another machine and is accepted either way.
+BORDERLINE = "Borderline"
+
+
 def known_failures(text: str | None = None) -> dict[str, str]:
     """``patchset -> reason`` from the table under ``### Interpreted on CPU`` in docs/devices.md."""
     text = text if text is not None else (ROOT / "docs" / "devices.md").read_text()
@@ -163,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {detail}", flush=True)
     known = known_failures() if args.dtype == "fp32" else {}
     unexpected = [r["patchset"] for r in results if r["result"] in ("failed", "error") and r["patchset"] not in known]
-    fixed = [r["patchset"] for r in results if r["result"] in ("passed", "skipped") and r["patchset"] in known]
+    fixed = [r["patchset"] for r in results if r["result"] in ("passed", "skipped") and r["patchset"] in known
+             and not known[r["patchset"]].startswith(BORDERLINE)]
     counts = {k: sum(r["result"] == k for r in results) for k in ("passed", "failed", "error", "skipped")}
     print(f"interpreted verify: {counts} in {time.perf_counter() - start:.0f}s")
     if args.json:
