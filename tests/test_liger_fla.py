@@ -192,6 +192,27 @@ def test_liger_flce_interpreted(interpreted) -> None:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@needs_liger
+def test_liger_flce_with_gradients_in_the_backward_interpreted(interpreted) -> None:
+    """The FSDP2 head's path (engine.ops.sharded_head.gradients_in_backward) around liger's kernel:
+    the loss and both gradients bit for bit those of liger called directly."""
+    from engine.kernels.liger_flce import liger_flce, liger_function_for
+    from engine.ops.sharded_head import gradients_in_backward
+
+    kernel = liger_flce(liger_function_for)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(24, 32, generator=g).requires_grad_()
+    weight = (0.3 * torch.randn(300, 32, generator=g)).requires_grad_()
+    target = torch.randint(0, 300, (24,), generator=g)
+    target[[2, 5]] = -100
+    direct = kernel(hidden, weight, target, num_items_in_batch=17)
+    want = torch.autograd.grad(direct * 0.7, (hidden, weight))
+    deferred = gradients_in_backward(lambda h, w: kernel(h, w, target, num_items_in_batch=17), hidden, weight)
+    got = torch.autograd.grad(deferred * 0.7, (hidden, weight))
+    assert torch.equal(deferred, direct)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 # ---------------------------------------------------------------- fla and the linear attention
 
 
