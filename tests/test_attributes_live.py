@@ -65,15 +65,17 @@ def test_eps_changed_after_apply_is_used(family: str, classes: dict[str, str]) -
 
 def test_group_size_attribute_is_read_per_call() -> None:
     """A mamba2-style gated norm whose group size lives in an attribute (``group_size_attr``)."""
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
 
     from engine.ops.base import get_op
     from engine.schema import GatedRmsNormPatch
 
-    norm = MambaRMSNormGated(16, group_size=8, eps=1e-6)
+    # MambaRMSNormGated before transformers 5.25, Mamba2RMSNormGated since
+    cls = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+    norm = cls(16, group_size=8, eps=1e-6)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
-    patch = GatedRmsNormPatch(target="MambaRMSNormGated", op="gated_rms_norm", scale="weight", activation="silu",
+    patch = GatedRmsNormPatch(target=cls.__name__, op="gated_rms_norm", scale="weight", activation="silu",
                               order="gate_then_norm", cast="llama", group_size_attr="group_size", kernel="torch")
     op = get_op("gated_rms_norm")
     op.check_target(norm, patch)

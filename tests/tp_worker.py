@@ -76,11 +76,14 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def wrapped_norms(model: torch.nn.Module) -> list[str]:
-    """Modules whose instance forward is transformers' tp_forward (the grad all-reduce wrapper among them)."""
-    return sorted(
-        path for path, m in model.named_modules()
-        if getattr(m.__dict__.get("forward"), "__name__", "") == "tp_forward" and "norm" in path
-    )
+    """Norms carrying transformers' gradient all-reduce: a ``tp_forward`` instance forward (before 5.25) or,
+    since 5.25 (``transformers.distributed``), a ``tp_forward_pre_hook`` that hooks the parameters' gradients."""
+    def all_reduced(m: torch.nn.Module) -> bool:
+        if getattr(m.__dict__.get("forward"), "__name__", "") == "tp_forward":
+            return True
+        return any(getattr(h, "__name__", "") == "tp_forward_pre_hook" for h in m._forward_pre_hooks.values())
+
+    return sorted(path for path, m in model.named_modules() if "norm" in path and all_reduced(m))
 
 
 def run_family(family: str, directory: str, ids: torch.Tensor) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from engine.foundation.see_through import see_through
+from engine.foundation.see_through import kernels_function, see_through
 
 __all__ = ["FunctionRouter", "acquire", "release", "router_for"]
 
@@ -77,11 +77,33 @@ class FunctionRouter:
             return impl(*args, **kwargs)
 
         routed.__patch_engine_router__ = self  # type: ignore[attr-defined]
-        self.function = routed
+        self.function: Any = routed
+        if kernels_function(original) is not None:
+            self.function = _as_kernels_func(original, routed, self)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.namespace["__name__"], self.name)
+
+
+def _as_kernels_func(original: Any, routed: Callable[..., Any], router: FunctionRouter) -> Any:
+    """The router as a fresh instance of the ``kernels`` ``Func`` class that held the name, calling ``routed``.
+
+    Why: where HF ``kernels`` is installed (a dependency of transformers since 5.25), a modeling
+    module's ``apply_rotary_pos_emb`` is an instance of a one-off ``Func`` module class, and every
+    attention module keeps a private copy of it (``_kernel_funcs``). Pickling, ``torch.save`` and
+    ``copy.deepcopy`` rebuild those copies as ``type(getattr(modeling_module, name))()``
+    (``kernels``' ``_rebuild_kernel_func``): with a plain function there, that is
+    ``function()``, a ``TypeError``, for any model of the family while another is patched. As a
+    ``Func`` whose instance ``forward`` is the router (the way ``kernelize`` installs a kernel),
+    the rebuild finds the class it expects; calls go to ``routed``, which calls ``original``
+    (whose own forward still dispatches to the calling attention's private copy).
+    """
+    holder = type(original)()
+    holder.forward = routed
+    holder.__patch_engine_router__ = router
+    holder.__wrapped__ = routed.__wrapped__  # inspect.signature reads the function's, as of the plain router
+    return holder
 
 
 _ROUTERS: dict[tuple[str, str], FunctionRouter] = {}
