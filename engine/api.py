@@ -15,10 +15,13 @@ from torch import nn
 
 from engine import verification
 from engine.errors import InvalidArgument, VerificationFailed
+from engine.foundation.release_policy import resolve_policy
 from engine.patching.patcher import apply as _patch
 from engine.patching.patcher import is_patched, revert
 from engine.planning.planner import Mode, plan
 from engine.planning.report import Report
+from engine.releases import ReleaseGate
+from engine.runtime.wrappers import unwrap
 from engine.schema import Device, Patchset
 
 __all__ = ["apply", "is_patched", "plan", "revert", "verify"]
@@ -63,6 +66,7 @@ def apply(
     mode: Mode | None = None,
     verify: bool | str | Mapping[str, Any] = False,
     fused_cross_entropy: Any = None,
+    unverified_release: str | None = None,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
 
@@ -84,20 +88,37 @@ def apply(
 
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.
+
+    ``unverified_release`` says what a transformers release outside the patchset's
+    ``requires`` gets (unset: ``$PATCH_ENGINE_UNVERIFIED_RELEASE``, else ``"verify"``):
+    ``"verify"`` checks the patchset on that release first, on the tiny model of its type with
+    the plan's device, dtype, mode and kernels (a cached verdict where there is one), then patches
+    with an :class:`UnverifiedReleaseWarning`, or raises :class:`ReleaseVerificationFailed` with
+    the verifier's finding; ``"refuse"`` raises :class:`VersionMismatch`; ``"trust"`` patches with
+    a warning. The report's ``release`` says which (:mod:`engine.releases`). With ``verify=...``
+    the verification of this model itself stands for the release's (no tiny model is built).
     """
     options = _verify_options(verify)  # bad options fail before the model changes
+    policy = resolve_policy(unverified_release)
     was_patched = is_patched(model)
-    report = _patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
+    # with verify=..., this model's own verification vouches for an unverified release (no tiny model)
+    gate = ReleaseGate(unwrap(model), verified_after=options is not None)
+    report = _patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy,
+                    unverified_release=policy, before_install=gate)
+    if gate.outcome is not None:
+        report.release = gate.outcome
     if options is not None and report.verification is None:  # a repeat that changed nothing keeps its verification
         try:
             report.verification = verification.verify(model, raise_on_failure=True, **options)
-        except VerificationFailed:
+        except VerificationFailed as exc:
             revert(model)
+            gate.failed_on_model(exc)
             raise
         except Exception:  # verification could not run (a bad batch): the model is as it was before this call
             if not was_patched:
                 revert(model)
             raise
+        gate.passed_on_model(report)
     return report
 
 

@@ -22,9 +22,12 @@ __all__ = [
     "NotPatched",
     "PatchError",
     "PatchsetError",
+    "ReleaseVerificationFailed",
     "SignatureMismatch",
     "TargetNotFound",
     "TrainerConflict",
+    "UnverifiedReleaseWarning",
+    "VerdictCacheWarning",
     "VerificationFailed",
     "VersionMismatch",
 ]
@@ -142,3 +145,31 @@ class VerificationFailed(PatchError, AssertionError):
     """
 
     report = None
+
+
+class ReleaseVerificationFailed(VersionMismatch, VerificationFailed):
+    """The installed transformers is outside a patchset's verified range, and verifying it there failed.
+
+    Raised by :func:`engine.apply` before anything changes (``unverified_release="verify"``, the
+    default): a :class:`VersionMismatch` (the release is the cause) and a :class:`VerificationFailed`
+    (the verifier found it), so either ``except`` catches it.
+
+    Attributes:
+        finding: the verifier's failure message (modules, declarations, errors), also in the text.
+        verdict: the :class:`engine.releases.ReleaseVerdict` (cached on disk, with its path).
+    """
+
+    finding = ""
+    verdict = None
+
+
+class UnverifiedReleaseWarning(UserWarning):
+    """A patchset was applied on a transformers release outside its verified range: self-verified there, or trusted.
+
+    Says the release, the verdict and where it is cached; filter it with
+    ``warnings.filterwarnings("ignore", category=engine.UnverifiedReleaseWarning)``.
+    """
+
+
+class VerdictCacheWarning(UserWarning):
+    """The self-verification cache could not be read or written; the engine verified again instead."""

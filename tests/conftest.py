@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ import torch
 # compiled (inductor) kernels do not (they reduce in another order); compiling would also cost CI
 # minutes. So `auto` picks torch here; tests/test_compiled.py re-enables compiled kernels.
 os.environ.setdefault("PATCH_ENGINE_COMPILE", "0")
+# Self-verification verdicts (engine/releases) go to a cache of this session's own, never the user's
+# ~/.cache: a test must not read a verdict another run left, nor leave one behind.
+os.environ.setdefault("PATCH_ENGINE_CACHE_DIR", tempfile.mkdtemp(prefix="patch-engine-test-cache-"))
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))

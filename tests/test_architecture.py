@@ -68,6 +68,9 @@ LAYERS: tuple[Layer, ...] = (
           "apply a plan to one model, all-or-nothing; revert; the installed (picklable) forwards, beneath wrappers"),
     Layer("verification", ("engine.verification", "engine.verification.*"), False,
           "patched vs original numbers: probes, comparisons, report"),
+    Layer("release verification", ("engine.releases", "engine.releases.*"), False,
+          "a transformers release outside a patchset's verified range: verified there on the tiny model before "
+          "patching, the verdict cached on disk (key, cache, self-verification, the gate apply runs)"),
     Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
     Layer("integrations", ("engine.integrations", "engine.integrations.*"), False,
           "the Trainer callback and the training stacks' plugins"),

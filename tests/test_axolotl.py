@@ -195,6 +195,7 @@ def test_the_plugin_keeps_axolotl_from_auto_enabling_its_lora_mlp_kernel(tiny, t
     ({"patchset": "qwen3_typo"}, r"no patchset 'qwen3_typo'"),
     ({"patchset": "qwen3", "patchset_verify": "often"}, r"patchset_verify"),
     ({"patchset": "qwen3", "patchset_fused_cross_entropy": {"kernel": "auto", "chunk": 8}}, r"chunk"),
+    ({"patchset": "qwen3", "patchset_unverified_release": "sometimes"}, r"patchset_unverified_release"),
 ])
 def test_axolotl_validation_refuses_bad_keys_before_loading_the_model(tiny, tmp_path, ours, message) -> None:
     from axolotl.cli.config import load_cfg

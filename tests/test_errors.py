@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -47,8 +48,10 @@ CASES = {
                                                       r"swiglu cannot replace Qwen3Attention\.forward\("),
     "wrong eps attribute": (GOOD.replace("scale: weight", "scale: weight\n    eps_attr: eps"), engine.SignatureMismatch,
                             r"Qwen3RMSNorm has no numeric attribute 'eps' \(eps_attr\); numeric attributes it has: variance_epsilon"),
-    "transformers out of range": (GOOD + "requires: {transformers: '<5'}\n", engine.VersionMismatch,
-                                  r"requires transformers<5; installed is 5\."),
+    # outside the range, the default policy verifies on this release: a wrong declaration is refused with the finding
+    "transformers out of range, wrong declaration": (
+        GOOD.replace("scale: weight", "scale: one_plus_weight") + "requires: {transformers: '<5'}\n",
+        engine.ReleaseVerificationFailed, r"verified on transformers<5; installed is 5\..*declared scale: one_plus_weight"),
 }
 
 
@@ -57,7 +60,7 @@ def test_bad_input_is_a_clear_error_and_the_model_is_untouched(case: str, qwen3:
     text, error, pattern = CASES[case]
     path = _write(tmp_path, text)
     before = snapshot(qwen3)
-    with pytest.raises(error, match=pattern) as info:
+    with pytest.raises(error, match=re.compile(pattern, re.DOTALL)) as info:
         engine.apply(qwen3, str(path), device="cpu")
     assert isinstance(info.value, engine.PatchError)
     assert_same(before, snapshot(qwen3))

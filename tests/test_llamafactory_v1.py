@@ -122,6 +122,8 @@ def no_model_built(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"name": "patch_engine", "verify": "yes"}, InvalidArgument, "verify is true or false"),
     ({"name": "patch_engine", "include_kernels": "rms_norm"}, InvalidArgument, "applied whole"),
     ({"name": "patch_engine", "fused_cross_entropy": True}, TrainerConflict, "outputs.logits"),
+    ({"name": "patch_engine", "unverified_release": "sometimes"}, InvalidArgument,
+     r"unverified_release='sometimes' is not a policy.*verify.*refuse.*trust"),
 ])
 def test_bad_settings_stop_before_the_model_is_loaded(tiny, tmp_path, no_model_built, kernel_config, error, match):
     """Checked by the launcher when it reads the YAML: LlamaFactory builds nothing."""

@@ -52,6 +52,9 @@ def test_settings_come_from_the_environment_and_a_bad_one_is_named() -> None:
     assert Settings.from_env({}) == Settings(None, False, None)
     assert Settings.from_env({"PATCH_ENGINE_PATCHSET": "qwen3", "PATCH_ENGINE_VERIFY": "sample",
                               "PATCH_ENGINE_FUSED_CROSS_ENTROPY": "0"}) == Settings("qwen3", "sample", False)
+    assert Settings.from_env({"PATCH_ENGINE_UNVERIFIED_RELEASE": "refuse"}).unverified_release == "refuse"
+    with pytest.raises(ValueError, match="PATCH_ENGINE_UNVERIFIED_RELEASE='sometimes'"):
+        Settings.from_env({"PATCH_ENGINE_UNVERIFIED_RELEASE": "sometimes"})
     with pytest.raises(ValueError, match="PATCH_ENGINE_VERIFY='maybe'"):
         Settings.from_env({"PATCH_ENGINE_VERIFY": "maybe"})
     with pytest.raises(PatchsetError, match="no patchset 'qwen3_typo'"):

@@ -1,14 +1,19 @@
 """The version refusal comes first: a patchset not for the installed transformers is refused as such.
 
-Before anything is built or loaded, every entry point (``engine.plan`` / ``apply``, ``patch-engine
-plan|verify|scaffold|coverage``, a checkpoint's verification and benchmark) answers a patchset
-whose ``requires`` leaves out the installed release, or whose model type the release lacks, with
-:class:`VersionMismatch` naming the verified range and the installed version, not with whatever
-breaks first (an unknown model type, a tiny model transformers cannot build, a missing file).
+Under ``unverified_release="refuse"`` (set for this whole file through the engine's environment
+variable; the default, ``verify``, is tests/test_release_self_verify.py), before anything is built
+or loaded, every entry point (``engine.plan`` / ``apply``, ``patch-engine plan|verify|scaffold|coverage``,
+a checkpoint's verification and benchmark) answers a patchset whose ``requires`` leaves out the
+installed release with :class:`VersionMismatch` naming the verified range and the installed
+version, not with whatever breaks first (an unknown model type, a tiny model transformers cannot
+build, a missing file). A bundled patchset whose model type the release lacks is refused so under
+any policy.
 
 The first tests run under any release (a patchset of their own claims a range that excludes it).
 The last ones need a release older than the bundled ``deepseek_v32`` and ``paligemma`` ranges:
-CI runs this file under transformers 5.6.0 too (``.ci/matrix``); under the suite's they skip.
+CI runs this file under transformers 5.6.0 too (``.ci/matrix``); under the suite's they skip. There
+the default policy is checked too: it cannot verify a patchset whose tiny model the release cannot
+build, and says so with the range.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from engine.loader import load_patchset
 from engine.tiny import build_tiny_model
 
 INSTALLED = Version(transformers.__version__)
+
+
+@pytest.fixture(autouse=True)
+def refuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATCH_ENGINE_UNVERIFIED_RELEASE", "refuse")
 NOT_NOW = f"<{INSTALLED.major}.0"  # a range that leaves out the installed release
 
 
@@ -141,3 +151,18 @@ def test_apply_on_an_older_release_refuses_before_patching() -> None:
         engine.apply(model, "paligemma", device="cpu")
     _says_the_version(str(info.value), "paligemma", load_patchset("paligemma").requires.transformers)
     assert_same(before, snapshot(model))
+
+
+@_outside("paligemma")
+@pytest.mark.parametrize("name", ["deepseek_v32", "paligemma"])
+def test_under_the_default_policy_an_older_release_is_refused_with_the_range_and_why(
+        name: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("PATCH_ENGINE_UNVERIFIED_RELEASE", "verify")
+    spec = load_patchset(name).requires.transformers
+    assert main(["verify", name]) == EXIT_FAILED
+    text = " ".join(capsys.readouterr().err.split())
+    if name == "deepseek_v32" and "deepseek_v32" not in transformers.CONFIG_MAPPING:  # nothing to verify on
+        assert f"which transformers {INSTALLED} does not define" in text and f"transformers{spec}" in text
+    else:  # the release builds no tiny model of it: nothing can verify it there
+        assert f"transformers {INSTALLED} is outside the range patchset {name!r} is verified on" in text
+        assert "cannot be built" in text and "nothing was patched" in text

@@ -175,6 +175,12 @@ def test_a_misspelt_patchset_fails_when_made(make) -> None:
         make("qwen3_typo")
 
 
+def test_the_unverified_release_setting_is_checked_when_made() -> None:
+    with pytest.raises(ValueError, match=r"PatchsetPatch\(unverified_release=...\)='sometimes'"):
+        PatchsetPatch("qwen3", unverified_release="sometimes")
+    assert PatchsetPatch("qwen3", unverified_release="refuse").unverified_release == "refuse"
+
+
 def test_the_fused_head_is_refused() -> None:
     with pytest.raises(TrainerConflict, match="fused_lm_ce"):
         PatchsetPatch("qwen3", fused_cross_entropy=True)

@@ -73,14 +73,14 @@ def test_a_when_that_is_not_a_version_range_is_a_load_error(tmp_path: Path) -> N
         engine.load_patchset(path)
 
 
-def test_requires_outside_the_installed_release_refuses_with_the_verified_range(tmp_path: Path) -> None:
+def test_requires_outside_the_installed_release_refuses_with_the_verified_range_when_told_to(tmp_path: Path) -> None:
     path = tmp_path / "old.yaml"
     path.write_text(f"name: old\nmodel_types: [qwen3]\nrequires: {{transformers: '{NOT_NOW}'}}\npatches:\n"
                     "  - {target: Qwen3MLP, op: swiglu}\n", encoding="utf-8")
     model = build_tiny_model("qwen3", {})
     before = snapshot(model)
-    with pytest.raises(engine.VersionMismatch) as info:
-        engine.apply(model, path, device="cpu")
+    with pytest.raises(engine.VersionMismatch) as info:  # the default verifies on this release: test_release_self_verify
+        engine.apply(model, path, device="cpu", unverified_release="refuse")
     message = str(info.value)
     assert f"requires transformers{NOT_NOW}; installed is {INSTALLED}" in message
     assert "versions it is verified on" in message and "nothing was patched" in message

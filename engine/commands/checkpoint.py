@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.api import apply, revert, verify
+from engine.api import revert, verify
 from engine.commands.checkpoints import load_checkpoint
 from engine.errors import InvalidArgument
+from engine.patching.patcher import apply as patch
 from engine.planning.report import Report, from_files
 from engine.verification import VerifyReport
 
@@ -134,7 +135,8 @@ def verify_checkpoint(
     """
     model.train(mode == "training")
     before = perplexity(model, batch)
-    applied = apply(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
+    # the patcher, not the facade: this verification, on the user's own weights, is the release's too
+    applied = patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
     try:
         report = verify(model, batch=batch, modules=modules, raise_on_failure=False)
         after = perplexity(model, batch)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.errors import DeviceNotAvailable, InvalidArgument, PatchError
+from engine.foundation.release_policy import ENV_VAR as RELEASE_ENV_VAR
+from engine.foundation.release_policy import POLICIES
 
 __all__ = ["main"]
 
@@ -96,13 +99,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         print(f"plan {ps.name!r}{from_files(ps.files)} for a tiny {the_plan.model_type} "
               f"on {the_plan.device.value} ({the_plan.mode})")
+        if the_plan.release is not None:
+            print(the_plan.release_note())
         print(format_decisions(the_plan.decisions, detail=args.detail))
     return EXIT_OK
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from engine.api import apply, revert, verify
+    from engine.api import revert, verify
     from engine.loader import load_patchset
+    from engine.patching.patcher import apply  # not the facade's: this verification is the release's too
     from engine.planning.report import from_files
     from engine.runtime.devices import as_device, require_present
     from engine.schema import Device
@@ -139,11 +145,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             revert(model)  # releases function routers (matters when main() runs inside a process)
     if args.json:
         data = {"ok": report.passed, "patchset": ps.name, "file": applied.file, "model_type": applied.model_type,
-                "model": type(model).__name__, "device": applied.device, **report.to_dict()}
+                "model": type(model).__name__, "device": applied.device,
+                "outside_verified_range": str(applied.release) if applied.release else None, **report.to_dict()}
         print(json.dumps(data, indent=2))
     else:
         print(f"verify {ps.name!r}{from_files(ps.files)} on a tiny {applied.model_type} "
               f"({type(model).__name__}, {applied.device})")
+        if applied.release is not None:
+            print(f"{applied.release}: this verification is on the installed release")
         print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
     return EXIT_OK if report.passed else EXIT_FAILED
 
@@ -257,6 +266,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--model-type", help="model_type of the tiny model (default: the patchset's)")
         p.add_argument("--device", help="cpu, cuda, npu, xpu, mps (default: current accelerator)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        _release_argument(p)
         if name == "plan":
             p.add_argument("--mode", choices=("training", "inference"), default="training")
             p.add_argument("--detail", action="store_true", help="one row per module")
@@ -285,11 +295,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model_types", nargs="*", help="only these types (default: every type transformers knows)")
     p.add_argument("--out", help="write the Markdown table here (docs/coverage.md); default: stdout")
     p.add_argument("--no-verify", action="store_true", help="skip running verify (fast)")
+    _release_argument(p)
     p.set_defaults(func=_cmd_coverage)
 
     p = sub.add_parser("demo", help="patch a small Qwen3 on this device; compare numbers and time")
     p.add_argument("--patchset", default="qwen3")
     p.add_argument("--steps", type=int, default=3, help="timed forward+backward repeats")
+    _release_argument(p)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("kernels", help="list registered kernel providers")
@@ -299,6 +311,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of engine.commands.bench")
     p.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _release_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--unverified-release", choices=POLICIES, default=None,
+                   help="a transformers release outside the patchset's verified range: verify it there first "
+                        f"(default; a cached verdict), refuse it, or trust it (default: ${RELEASE_ENV_VAR}, else verify)")
+
+
+@contextlib.contextmanager
+def _release_policy(value: str | None) -> Iterator[None]:
+    """``--unverified-release`` for everything the command calls: the engine's own variable, for the command's time.
+
+    Why the variable: every entry point reads it where no keyword says otherwise (the planner,
+    a tiny model's build, coverage, a checkpoint's verification), so one flag reaches them all.
+    """
+    if value is None:
+        yield
+        return
+    before = os.environ.get(RELEASE_ENV_VAR)
+    os.environ[RELEASE_ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RELEASE_ENV_VAR, None)
+        else:
+            os.environ[RELEASE_ENV_VAR] = before
 
 
 def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
@@ -324,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     try:
-        return int(args.func(args))
+        with _release_policy(getattr(args, "unverified_release", None)):
+            return int(args.func(args))
     except (InvalidArgument, DeviceNotAvailable) as exc:  # the command line asked for something that is not there
         _report_error(args, exc, "usage error")
         return EXIT_USAGE

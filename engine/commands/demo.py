@@ -1,8 +1,10 @@
 """``patch-engine demo``: the main job, end to end, on whatever device this is. No downloads.
 
 Builds a small Qwen3 from a config, perturbs its weights (norm weights away from 1),
-applies the patchset to one copy, and prints the report, the largest difference of the
-logits and the loss against the unpatched copy, and the time of a forward+backward of each.
+applies the patchset to one copy and verifies it (every patched module and the whole model
+against the original and its fp64 truth: ``engine.apply(..., verify=True)``), and prints the
+report, the verdict, the largest difference of the logits and the loss against the unpatched
+copy, and the time of a forward+backward of each.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def run_demo(patchset: str = "qwen3", *, steps: int = 3) -> int:
     print(f"device: {device.value}, torch {torch.__version__}")
     reference = build_tiny_model("qwen3", DEMO_CONFIG, seed=0).to(torch_device)
     patched = copy.deepcopy(reference)
-    report = apply(patched, patchset, device=device)
+    report = apply(patched, patchset, device=device, verify=True)
     print(report)
+    print(report.verification.headline())  # the per-module table is patch-engine verify's
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, DEMO_CONFIG["vocab_size"], (4, 128), generator=gen).to(torch_device)
     batch = {"input_ids": ids, "labels": ids}

@@ -2,10 +2,11 @@
 
 Why a module of its own: two declarations read the installed version. ``requires`` says which
 transformers releases a whole patchset was verified on (``docs/compatibility.md`` is the
-matrix that checks it); outside them :func:`check_requires` refuses before anything is
-planned. ``when`` on one patch says which releases have the modeling code that patch is
-written for (an experts class that appeared in 5.10, a rope function renamed in 5.8);
-:func:`patch_is_active` leaves the other patches out. See docs/versions.md.
+matrix that checks it); outside them the policy of :mod:`engine.foundation.release_policy`
+decides (verify on the installed release, refuse with :func:`check_requires`, or trust).
+``when`` on one patch says which releases have the modeling code that patch is written for (an
+experts class that appeared in 5.10, a rope function renamed in 5.8); :func:`patch_is_active`
+leaves the other patches out. See docs/versions.md.
 
 Torch-free: the version is read from ``transformers.__version__`` when transformers is
 already imported, else from its installed metadata, so validating a patchset imports nothing heavy.
@@ -17,6 +18,7 @@ import sys
 from importlib import metadata
 
 from engine.errors import VersionMismatch
+from engine.foundation.release_policy import ENV_VAR as RELEASE_ENV_VAR
 
 __all__ = ["check_requires", "in_range", "installed_version", "patch_is_active", "when_text"]
 
@@ -68,7 +70,9 @@ def check_requires(name: str, spec: str | None, version: str | None = None) -> N
         return
     raise VersionMismatch(
         f"patchset {name!r} requires transformers{spec}; installed is {installed or 'none'}. {spec} are the "
-        "versions it is verified on (docs/compatibility.md); nothing was patched. Install a transformers in "
-        f"that range, or verify the patchset on this version (patch-engine verify {name}) and widen "
-        "`requires`, with `when` ranges on the patches whose target changed (docs/versions.md)."
+        "versions it is verified on (docs/compatibility.md); nothing was patched (unverified_release='refuse'). "
+        "Let the engine verify it on this release first (unverified_release='verify', the default; "
+        f"--unverified-release verify; ${RELEASE_ENV_VAR}), install a transformers in that range, or verify the "
+        f"patchset (patch-engine verify {name}) and widen `requires`, with `when` ranges on the patches whose "
+        "target changed (docs/versions.md)."
     )

@@ -7,6 +7,7 @@
     patchset: qwen3                    # a bundled name or a path; absent: the model's model_type
     patchset_verify: true              # or "sample"; default false
     patchset_fused_cross_entropy: true # or {kernel: ..., chunk_size: ...}; absent: the patchset's key
+    patchset_unverified_release: verify  # or refuse, trust: a transformers outside the patchset's verified range
 
 and ``axolotl train config.yaml`` as usual. Why a plugin, the way axolotl's own Liger plugin
 is one: axolotl loads every class listed under ``plugins:`` before it validates the config,
@@ -59,6 +60,9 @@ class PatchsetArgs(BaseModel):
     patchset: str | None = None
     patchset_verify: bool | Literal["sample"] = False
     patchset_fused_cross_entropy: bool | FusedCrossEntropy | None = None
+    #: What a transformers release outside the patchset's verified range gets (engine.apply's
+    #: ``unverified_release``); absent: ``$PATCH_ENGINE_UNVERIFIED_RELEASE``, else ``verify``.
+    patchset_unverified_release: Literal["verify", "refuse", "trust"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -123,18 +127,19 @@ class PatchsetPlugin(BasePlugin):
         """Patch ``model`` for training; a refusal (or a failed verification) stops axolotl before step 1."""
         patchset = _setting(cfg, "patchset") or _model_type(cfg, model)
         fused = _setting(cfg, "patchset_fused_cross_entropy")
-        _refuse_fused_head_under_trl(cfg, model, patchset, fused)
+        release = _setting(cfg, "patchset_unverified_release")
+        _refuse_fused_head_under_trl(cfg, model, patchset, fused, release)
         self.report = apply(model, patchset, mode="training", verify=_setting(cfg, "patchset_verify") or False,
-                            fused_cross_entropy=fused)
+                            fused_cross_entropy=fused, unverified_release=release)
         LOG.info("patch-engine: %s", self.report)
 
 
-def _refuse_fused_head_under_trl(cfg: Any, model: nn.Module, patchset: str, fused: Any) -> None:
+def _refuse_fused_head_under_trl(cfg: Any, model: nn.Module, patchset: str, fused: Any, release: str | None) -> None:
     """``rl:`` runs TRL's trainers, which compute the head themselves (see :mod:`engine.ops.trl_head`)."""
     rl = _setting(cfg, "rl")
     if not rl:
         return
-    the_plan = plan(unwrap(model), patchset, mode="training", fused_cross_entropy=fused)
+    the_plan = plan(unwrap(model), patchset, mode="training", fused_cross_entropy=fused, unverified_release=release)
     if any(d.op == "fused_linear_cross_entropy" for d in the_plan.patched):
         raise TrainerConflict(f"patchset {the_plan.patchset.name!r} with a fused head under `rl: {rl}`: axolotl trains "
                               "with TRL's trainer, which computes the causal-LM head itself; set "

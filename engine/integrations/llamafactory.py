@@ -10,6 +10,8 @@ This module registers a plugin under the name ``patch_engine``, so the user's YA
       name: patch_engine
       patchset: qwen3          # optional: a bundled name or a path; default: the model's model_type
       verify: true             # optional (default false): check each patched module once, before step 1
+      unverified_release: verify  # optional: verify (default), refuse or trust a transformers outside the
+                                  # patchset's verified range (engine.apply's unverified_release)
 
 v1 never imports user code, so the plugin must be registered before LlamaFactory reads the
 YAML: ``python -m engine.integrations.llamafactory sft cfg.yaml`` does that, then runs
@@ -46,7 +48,7 @@ __all__ = ["PLUGIN_NAME", "Settings", "apply_patchset", "configure", "main", "re
 #: The name users write in ``kernel_config: {name: ...}``.
 PLUGIN_NAME = "patch_engine"
 #: Keys of ``kernel_config`` this plugin reads (``name`` and ``include_kernels`` are LlamaFactory's).
-OUR_KEYS = ("patchset", "verify", "fused_cross_entropy")
+OUR_KEYS = ("patchset", "verify", "fused_cross_entropy", "unverified_release")
 #: LlamaFactory v1's training verbs (``launcher._DIST_TRAIN_COMMANDS``): the model is patched for training.
 TRAIN_VERBS = ("train", "sft", "dpo", "rm")
 #: Verbs that build a model (through ``ModelEngine``); the others go straight to LlamaFactory's launcher.
@@ -61,6 +63,7 @@ class Settings:
     patchset: Any  # a loaded Patchset, or None: the bundled patchset named after the model's model_type
     verify: bool
     mode: str  # "training" or "inference"
+    unverified_release: str | None = None  # engine.apply's policy; None: the environment's, else verify
 
 
 _settings: Settings | None = None
@@ -104,11 +107,16 @@ def configure(kernel_config: Mapping[str, Any] | None, *, training: bool) -> Set
             "outputs.logits (BaseTrainer.compute_log_probs), which the fused head does not return in training "
             "(LlamaFactory turns Liger's fused cross entropy off for the same reason); remove the key"
         )
+    from engine.foundation.release_policy import resolve_policy
     from engine.loader import load_patchset
 
+    release = kernel_config.get("unverified_release")
+    if release is not None:
+        resolve_policy(release, setting=f"{where}: unverified_release")
     name = kernel_config.get("patchset")
     patchset = None if name is None else load_patchset(name)
-    _settings = Settings(patchset=patchset, verify=verify, mode="training" if training else "inference")
+    _settings = Settings(patchset=patchset, verify=verify, mode="training" if training else "inference",
+                         unverified_release=release)
     return _settings
 
 
@@ -133,7 +141,8 @@ def apply_patchset(model: Any, include_kernels: Any = None, **kwargs: Any) -> An
         patchset = getattr(getattr(unwrap(model), "config", None), "model_type", None)
         if patchset is None:
             raise InvalidArgument(f"kernel_config (name: {PLUGIN_NAME}): the model has no config.model_type; set patchset")
-    last_report = apply(model, patchset, mode=_settings.mode, verify=_settings.verify, fused_cross_entropy=False)
+    last_report = apply(model, patchset, mode=_settings.mode, verify=_settings.verify, fused_cross_entropy=False,
+                        unverified_release=_settings.unverified_release)
     if os.environ.get("RANK", "0") == "0":
         print(last_report)
     return model

@@ -16,6 +16,8 @@ argument parser refuses flags it does not know, so our settings come from the en
 * ``PATCH_ENGINE_VERIFY``: ``1``/``true`` (verify every patched module against its original once,
   before step 1), ``sample``, or ``0``/``false`` (the default).
 * ``PATCH_ENGINE_FUSED_CROSS_ENTROPY``: ``1``/``true`` or ``0``/``false`` (unset: the patchset's key).
+* ``PATCH_ENGINE_UNVERIFIED_RELEASE``: ``verify`` (the default), ``refuse`` or ``trust``: what a
+  transformers release outside the patchset's verified range gets (the engine's own variable).
 
 The plugin file (``engine/integrations/ms_swift_plugin/patch_engine_swift.py``) registers :class:`SwiftPatchsetCallback`
 under ``patch_engine``; ms-swift builds it with ``(args, trainer)`` as it builds its trainer, and
@@ -51,6 +53,7 @@ class Settings:
     patchset: str | None = None
     verify: bool | str = False
     fused_cross_entropy: bool | None = None
+    unverified_release: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -61,11 +64,16 @@ class Settings:
         verify: bool | str = "sample" if verify_text == "sample" else _flag("PATCH_ENGINE_VERIFY", verify_text)
         fused_text = env.get("PATCH_ENGINE_FUSED_CROSS_ENTROPY")
         fused = None if fused_text is None else _flag("PATCH_ENGINE_FUSED_CROSS_ENTROPY", fused_text.strip().lower())
+        release_text = env.get("PATCH_ENGINE_UNVERIFIED_RELEASE", "").strip() or None
+        if release_text is not None:
+            from engine.foundation.release_policy import resolve_policy
+
+            resolve_policy(release_text, setting="PATCH_ENGINE_UNVERIFIED_RELEASE")  # a typo stops here too
         if patchset is not None:
             from engine.loader import load_patchset
 
             load_patchset(patchset)  # a misspelt name or a schema error stops here, before the model loads
-        return cls(patchset, verify, fused)
+        return cls(patchset, verify, fused, release_text)
 
 
 def _flag(name: str, text: str) -> bool:
@@ -93,7 +101,8 @@ class SwiftPatchsetCallback(PatchsetCallback):
 
     def __init__(self, args: Any, trainer: Any) -> None:
         super().__init__(self.settings.patchset, verify=self.settings.verify,
-                         fused_cross_entropy=self.settings.fused_cross_entropy)
+                         fused_cross_entropy=self.settings.fused_cross_entropy,
+                         unverified_release=self.settings.unverified_release)
         self.args = args
         self.trainer = trainer
 

@@ -46,7 +46,8 @@ __all__ = ["PatchsetCallback", "patch_for_training"]
 def patch_for_training(model: nn.Module, patchset: Patchset | str | dict[str, Any], **apply_kwargs: Any) -> nn.Module:
     """Apply ``patchset`` to ``model`` for training and return the model (for ``Trainer(model=...)``).
 
-    Keyword arguments go to :func:`engine.apply` (``device``, ``verify``, ``fused_cross_entropy``).
+    Keyword arguments go to :func:`engine.apply` (``device``, ``verify``, ``fused_cross_entropy``,
+    ``unverified_release``).
     """
     apply(model, patchset, mode="training", **apply_kwargs)
     return model
@@ -65,6 +66,9 @@ class PatchsetCallback(TrainerCallback):
         fused_cross_entropy: fuse the causal-LM head + loss (``True``, ``False``, or
             ``{kernel, chunk_size}``; ``None`` keeps the patchset's key), as Liger's
             ``fused_linear_cross_entropy=True``. See :mod:`engine.planning.fused_head`.
+        unverified_release: ``"verify"`` (default), ``"refuse"`` or ``"trust"``: what a
+            transformers release outside the patchset's verified range gets (see
+            :func:`engine.apply`); unset, ``$PATCH_ENGINE_UNVERIFIED_RELEASE`` decides.
 
     Attributes:
         report: the :class:`Report` of the last apply (``None`` before).
@@ -72,8 +76,13 @@ class PatchsetCallback(TrainerCallback):
 
     def __init__(
         self, patchset: Patchset | str | dict[str, Any], *, revert_on_end: bool = False, verify: bool = False,
-        fused_cross_entropy: Any = None,
+        fused_cross_entropy: Any = None, unverified_release: str | None = None,
     ):
+        from engine.foundation.release_policy import resolve_policy
+
+        if unverified_release is not None:  # a bad value fails when the callback is made, before training
+            resolve_policy(unverified_release, setting="PatchsetCallback(unverified_release=...)")
+        self.unverified_release = unverified_release
         self.patchset = patchset
         self.revert_on_end = revert_on_end
         self.verify = verify
@@ -86,7 +95,7 @@ class PatchsetCallback(TrainerCallback):
         device = getattr(getattr(args, "device", None), "type", None)
         self._refuse_fused_head_under_trl(args, model, device)
         self.report = apply(model, self.patchset, device=device, mode="training", verify=self.verify,
-                            fused_cross_entropy=self.fused_cross_entropy)
+                            fused_cross_entropy=self.fused_cross_entropy, unverified_release=self.unverified_release)
 
     def _refuse_fused_head_under_trl(self, args: Any, model: nn.Module, device: str | None) -> None:
         """Refuse, before patching anything, a fused head under a TRL trainer (see :mod:`engine.ops.trl_head`)."""
@@ -94,7 +103,8 @@ class PatchsetCallback(TrainerCallback):
         problem = trl_trainer_conflict(args, inner)
         if problem is None:
             return
-        the_plan = plan(inner, self.patchset, device=device, mode="training", fused_cross_entropy=self.fused_cross_entropy)
+        the_plan = plan(inner, self.patchset, device=device, mode="training", fused_cross_entropy=self.fused_cross_entropy,
+                        unverified_release=self.unverified_release)
         if any(d.op == "fused_linear_cross_entropy" for d in the_plan.patched):
             raise TrainerConflict(f"PatchsetCallback({the_plan.patchset.name!r}, fused_cross_entropy=...): {problem}")
 

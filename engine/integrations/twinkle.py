@@ -91,14 +91,22 @@ class _PatchsetPatchMixin:
         verify: compare every patched module with its original forward once, when applying.
         mode: ``"training"`` (default: kernels with a backward) or ``"inference"``.
         fused_cross_entropy: only ``None``/``False`` (see the module docstring).
+        unverified_release: ``"verify"`` (default), ``"refuse"`` or ``"trust"``: what a transformers
+            release outside the patchset's verified range gets (:func:`engine.apply`); unset,
+            ``$PATCH_ENGINE_UNVERIFIED_RELEASE`` decides.
 
     Attributes:
         report: the :class:`engine.planning.report.Report` of the last apply (``None`` before).
     """
 
     def __init__(self, patchset: Any = None, *, verify: bool = False, mode: str = "training",
-                 fused_cross_entropy: Any = None) -> None:
+                 fused_cross_entropy: Any = None, unverified_release: str | None = None) -> None:
+        from engine.foundation.release_policy import resolve_policy
+
         self.patchset = _load(patchset, fused_cross_entropy)
+        if unverified_release is not None:
+            resolve_policy(unverified_release, setting="PatchsetPatch(unverified_release=...)")
+        self.unverified_release = unverified_release
         self.verify = verify
         self.mode = mode
         self.report: Any = None
@@ -113,11 +121,12 @@ class _PatchsetPatchMixin:
         patchset = _load(kwargs.pop("patchset", None), kwargs.pop("fused_cross_entropy", None)) or self.patchset
         verify = kwargs.pop("verify", self.verify)
         mode = kwargs.pop("mode", self.mode)
+        release = kwargs.pop("unverified_release", self.unverified_release)
         if kwargs or args:
             raise InvalidArgument(f"PatchsetPatch: unknown arguments {list(args)} {sorted(kwargs)}; "
-                                  "it takes patchset, verify, mode, fused_cross_entropy")
+                                  "it takes patchset, verify, mode, fused_cross_entropy, unverified_release")
         self.report = apply(module, patchset or _model_type_patchset(module), mode=mode, verify=verify,
-                            fused_cross_entropy=False)
+                            fused_cross_entropy=False, unverified_release=release)
         return self.report
 
     def unpatch(self, module: Any, *args: Any, **kwargs: Any) -> None:
@@ -150,7 +159,7 @@ class _Installer:
 
 
 def kernel_mapping(patchset: Any = None, *, verify: bool = False, mode: str = "training",
-                   fused_cross_entropy: Any = None) -> dict[str, Any]:
+                   fused_cross_entropy: Any = None, unverified_release: str | None = None) -> dict[str, Any]:
     """A ``kernelize`` mapping with one entry that applies ``patchset`` (arguments as :class:`PatchsetPatch`).
 
     The entry's installer keeps the :class:`PatchsetPatch` it applies:
@@ -158,5 +167,6 @@ def kernel_mapping(patchset: Any = None, *, verify: bool = False, mode: str = "t
     """
     KernelChoice = _twinkle("twinkle.kernel").KernelChoice
     _register_op()
-    patch = __getattr__("PatchsetPatch")(patchset, verify=verify, mode=mode, fused_cross_entropy=fused_cross_entropy)
+    patch = __getattr__("PatchsetPatch")(patchset, verify=verify, mode=mode, fused_cross_entropy=fused_cross_entropy,
+                                         unverified_release=unverified_release)
     return {PLUGIN_NAME: KernelChoice(op=PLUGIN_NAME, backends=(PLUGIN_NAME,), installer=_Installer(patch))}

@@ -78,6 +78,10 @@ class ModuleOp(Op):
         """Raise :class:`SignatureMismatch` (or PatchError) when ``module`` cannot take this op."""
         raise NotImplementedError
 
+    def module_alternatives(self, patch: Any, module: nn.Module) -> Iterator[tuple[str, Any]]:
+        """:meth:`alternatives`, plus those only ``module`` suggests (a gated norm's group-size attribute)."""
+        return self.alternatives(patch)
+
     def kernel_settings(self, module: nn.Module, patch: Any) -> Any:
         """What providers' ``supports`` judge for ``module``: the patch, unless the op also reads the module.
 

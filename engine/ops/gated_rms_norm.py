@@ -226,6 +226,21 @@ class GatedRmsNormOp(ModuleOp):
             label = ", ".join(f"{k}: {v.value}" for k, v, d in zip(keys, combo, declared, strict=True) if v != d)
             yield label, patch.model_copy(update={**update, "precision": Precision.native})
 
+    def module_alternatives(self, patch: GatedRmsNormPatch, module: nn.Module) -> Iterator[tuple[str, GatedRmsNormPatch]]:
+        """Also the declared norm per group of each int attribute that splits the width (a release that grouped it).
+
+        Why: transformers 5.23 made Mamba 2's gated norm normalize per group of ``group_size``
+        features; the ungrouped declaration then fails, and this names the one that fits.
+        """
+        yield from self.alternatives(patch)
+        if patch.group_size is not None or patch.group_size_attr is not None or patch.num_groups_attr is not None:
+            return
+        weight = getattr(module, patch.weight_attr, None)
+        if isinstance(weight, torch.Tensor) and weight.dim() >= 1:
+            for group in _group_options(module, weight.shape[-1]):
+                label = ", ".join(f"{k}: {v}" for k, v in group.items())
+                yield label, patch.model_copy(update={**group, "precision": Precision.native})
+
     def candidates(self, module: nn.Module) -> Iterator[GatedRmsNormPatch]:
         """Every declaration a norm with a ``gate`` parameter could have (groups from its int attributes).
 

@@ -1,18 +1,17 @@
 """Applying a plan to one model instance, all-or-nothing, and reverting it exactly.
 
-Forwards are replaced on the *instances* (``module.forward = PatchedForward(fn, module, ...)``,
-see :mod:`engine.patching.bound_forward`), never on the transformers class, so other models of the same
+Forwards are replaced on the *instances* (``module.forward = PatchedForward(fn, module, ...)``, see
+:mod:`engine.patching.bound_forward`), never on the transformers class, so other models of the same
 class are untouched; where a library already wrapped an instance forward (accelerate hooks,
 transformers' tensor parallelism) the patch goes beneath the wrapper (:mod:`engine.patching.forwards`).
-Function patches go through :mod:`engine.runtime.routing`. Every change is
-recorded before the next one is made; if any step fails, the records made so far are undone
-in reverse and the model is exactly as it was.
+Function patches go through :mod:`engine.runtime.routing`. Every change is recorded before the next
+one is made; if any step fails, the records made so far are undone in reverse and the model is
+exactly as it was.
 
-Applying the patchset a model already has is never an error: with the same kernels it is a
-no-op; when the mode or device now needs other kernels (inference kernels without a
-backward, then ``model.train()``), or the fused head is switched on, off or re-set
-(``fused_cross_entropy=``, an option of the patchset, not another one), the model is
-re-planned and re-patched. Another patchset
+Applying the patchset a model already has is never an error: with the same kernels it is a no-op;
+when the mode or device now needs other kernels (inference kernels without a backward, then
+``model.train()``), or the fused head is switched on, off or re-set (``fused_cross_entropy=``, an
+option of the patchset, not another one), the model is re-planned and re-patched. Another patchset
 is refused (:class:`AlreadyPatched`): revert first. A patched model pickles (``torch.save``,
 ``copy.deepcopy``) and comes back patched.
 """
@@ -192,31 +191,28 @@ def apply(
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
     fused_cross_entropy: Any = None,
+    unverified_release: str | None = None,
+    before_install: Callable[[Plan], None] | None = None,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
 
-    All checks run first (see :func:`engine.plan`), and the device must exist on this machine
-    (:class:`DeviceNotAvailable` otherwise); the model changes only if every one passes, and
-    any failure while patching restores it. Applying the patchset the model already has is a
-    no-op when it chooses the same kernels, and re-patches it when the mode or device needs
-    other ones (e.g. after ``model.train()``, kernels with a backward) or the fused head is
-    switched (``fused_cross_entropy=True``/``False``/other settings; ``None`` keeps the head the
-    model has); another patchset raises :class:`AlreadyPatched`. Verification is not the patcher's job:
-    :func:`engine.apply` (the facade, :mod:`engine.api`) runs it after this when asked to.
-
-    Example:
-        >>> report = engine.apply(model, "qwen3")     # doctest: +SKIP
-        >>> engine.revert(model)                      # doctest: +SKIP
-
-    ``fused_cross_entropy=True`` (or ``{"kernel": ..., "chunk_size": ...}``) also fuses the
-    causal-LM head + loss of any family (``False`` leaves it off; ``None``, the default, keeps
-    the patchset's ``fused_cross_entropy`` key). See :mod:`engine.planning.fused_head`.
+    All checks run first (:func:`engine.plan`, with its ``unverified_release`` policy), then
+    ``before_install(plan)`` when the model is about to change (the facade's release gate; it may
+    raise), and the device must exist on this machine (:class:`DeviceNotAvailable` otherwise);
+    the model changes only if every one passes, and any failure while patching restores it.
+    Applying the patchset the model already has is a no-op when it chooses the same kernels, and
+    re-patches it when the mode or device needs other ones (after ``model.train()``, kernels with
+    a backward) or the fused head is switched (``fused_cross_entropy=True``/``False``/other
+    settings; ``None`` keeps the model's); another patchset raises :class:`AlreadyPatched`.
+    Verification is not the patcher's job: :func:`engine.apply` (:mod:`engine.api`) runs it.
+    ``fused_cross_entropy``: as for :func:`engine.apply` (:mod:`engine.planning.fused_head`).
 
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.
     """
-    model = unwrap(model)
-    the_plan = plan(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
+    model, gate = unwrap(model), before_install or _no_gate
+    the_plan = plan(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy,
+                    unverified_release=unverified_release)
     if not (the_plan.device is Device.cuda and is_interpreting()):  # interpreted: CUDA kernels on CPU tensors
         require_present(the_plan.device, model)
     key = _patchset_key(without_fused_head(the_plan.patchset))  # the fused head is an option, not the identity
@@ -227,15 +223,22 @@ def apply(
         if fused_cross_entropy is None:  # no opinion: keep the fused head the model has (on or off, same settings)
             kept = applied_fused_head(the_plan.patchset, state.report.decisions)
             if kept != the_plan.patchset:
-                the_plan = plan(model, kept, device=the_plan.device, mode=the_plan.mode)
+                the_plan = plan(model, kept, device=the_plan.device, mode=the_plan.mode,
+                                unverified_release=unverified_release)
         if _kernels(state.report.decisions) == _kernels(the_plan.decisions):
             report = state.report  # the same kernels: nothing to change; the report follows the new plan
             report.device, report.mode, report.decisions = the_plan.device.value, the_plan.mode, the_plan.decisions
         else:
+            gate(the_plan)
             report = _repatch(model, state, the_plan)
     else:
+        gate(the_plan)
         report = _install(model, the_plan, key)
     return report
+
+
+def _no_gate(the_plan: Plan) -> None:  # no before_install: nothing to decide between planning and patching
+    pass
 
 
 def _another_patchset(model: nn.Module, state: AppliedState, the_plan: Plan) -> str:

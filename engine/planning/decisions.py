@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.foundation.release_policy import OutsideRange
 from engine.kernels.registry import KernelProvider
 from engine.schema import Device, Patchset
 
@@ -56,6 +57,9 @@ class Plan:
     mode: Mode
     model_type: str
     decisions: tuple[Decision, ...]
+    #: Set when the installed transformers is outside the patchset's ``requires`` and the
+    #: ``unverified_release`` policy let it through (:class:`engine.foundation.release_policy.OutsideRange`).
+    release: OutsideRange | None = None
 
     @property
     def patched(self) -> tuple[Decision, ...]:
@@ -75,7 +79,18 @@ class Plan:
             f"plan {self.patchset.name!r}{from_files(self.patchset.files)} "
             f"for {self.model_type} on {self.device.value} ({self.mode})"
         )
-        return head + "\n" + format_decisions(self.decisions)
+        release = f"\n{self.release_note()}" if self.release else ""
+        return head + release + "\n" + format_decisions(self.decisions)
+
+    def release_note(self) -> str | None:
+        """What apply will do about a release outside the patchset's range (``None`` inside it)."""
+        return f"{self.release}: {_RELEASE_ACTION[self.release.policy]}" if self.release else None
+
+
+_RELEASE_ACTION = {
+    "verify": "apply verifies the patchset on it first (a cached verdict where there is one)",
+    "trust": "apply patches without verifying (unverified_release='trust')",
+}
 
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

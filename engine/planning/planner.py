@@ -46,6 +46,7 @@ def plan(
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
     fused_cross_entropy: Any = None,
+    unverified_release: str | None = None,
 ) -> Plan:
     """Decide what applying ``patchset`` to ``model`` would do; the model is not changed.
 
@@ -61,6 +62,12 @@ def plan(
         fused_cross_entropy: fuse the causal-LM head + loss (``True``, ``False``, or
             ``{kernel, chunk_size}``); ``None`` keeps the patchset's ``fused_cross_entropy``
             key. See :mod:`engine.planning.fused_head`.
+        unverified_release: what a transformers release outside the patchset's ``requires``
+            gets: ``"verify"`` (default; the plan records it in ``Plan.release`` and
+            :func:`engine.apply` verifies the patchset on that release before patching),
+            ``"refuse"`` (:class:`VersionMismatch`) or ``"trust"``; unset, the environment
+            variable ``PATCH_ENGINE_UNVERIFIED_RELEASE`` decides
+            (:mod:`engine.foundation.release_policy`).
 
     Raises:
         PatchsetError, ModelTypeMismatch, VersionMismatch, TargetNotFound,
@@ -73,7 +80,8 @@ def plan(
     model = unwrap(model)  # a PeftModel is planned as the transformers model inside it
     if not isinstance(patchset, Patchset):
         patchset = load_patchset(patchset)
-    check_release(patchset)  # first: a release outside `requires` is the answer, whatever else is wrong
+    # first: a release outside `requires` refused by the policy is the answer, whatever else is wrong
+    release = check_release(patchset, policy=unverified_release)
     patchset = with_fused_cross_entropy(patchset, model, fused_cross_entropy)
     dev = resolve_device(model, device)
     run_mode: Mode = check_mode(mode) or ("training" if model.training else "inference")
@@ -98,7 +106,8 @@ def plan(
         except PatchError as exc:
             raise _located(exc, patchset, index) from None
     decisions = _with_sub_models(model, decisions)
-    return Plan(patchset=patchset, device=dev, mode=run_mode, model_type=model_type, decisions=tuple(decisions))
+    return Plan(patchset=patchset, device=dev, mode=run_mode, model_type=model_type, decisions=tuple(decisions),
+                release=release)
 
 
 MODES: tuple[str, ...] = ("training", "inference")

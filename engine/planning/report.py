@@ -23,12 +23,16 @@ class Report:
     #: The files the patchset was read from, as absolute paths (its own first, then ``extends``
     #: bases); empty for a patchset given as a dict or built in Python.
     files: tuple[str, ...] = ()
+    #: Outside the patchset's verified transformers range (``Plan.release``): what was done about it,
+    #: the self-verification's verdict (:class:`engine.releases.ReleaseVerdict`) or, trusted, the
+    #: :class:`~engine.foundation.release_policy.OutsideRange` itself; ``None`` inside the range.
+    release: Any = None
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Report:
         return cls(
             plan.patchset.name, plan.model_type, plan.device.value, plan.mode, plan.decisions,
-            files=plan.patchset.files,
+            files=plan.patchset.files, release=plan.release,
         )
 
     @property
@@ -82,6 +86,7 @@ class Report:
             ],
             "compile_disabled": self.compile_disabled,
             "fullgraph_blocker": self.fullgraph_blocker,
+            "release": _release_dict(self.release),
         }
 
     def table(self, *, detail: bool = False) -> str:
@@ -93,7 +98,7 @@ class Report:
             f"patchset {self.patchset!r}{from_files(self.files)} on {self.model_type} ({self.device}, {self.mode}): "
             f"{n} patched, {len(self.skipped)} skipped"
         )
-        text = head + "\n" + self.table()
+        text = head + (f"\n{_release_line(self.release)}" if self.release is not None else "") + "\n" + self.table()
         eager = self.compile_disabled
         if eager:
             text += (
@@ -102,3 +107,21 @@ class Report:
                 "torch.compile(fullgraph=True) cannot hold it (_can_compile_fullgraph is False until revert)"
             )
         return text
+
+
+def _release_line(release: Any) -> str:
+    """One line on the release: a verdict says itself; a trusted release says it was not verified."""
+    if getattr(release, "policy", None) == "trust":
+        return f"{release}: patched without verifying it there (unverified_release='trust')"
+    return str(release)
+
+
+def _release_dict(release: Any) -> dict[str, Any] | None:
+    """``Report.release`` as data (a verdict's own ``to_dict``, or the fields of an ``OutsideRange``)."""
+    if release is None:
+        return None
+    if hasattr(release, "to_dict"):
+        return release.to_dict()
+    from dataclasses import asdict
+
+    return asdict(release)

@@ -9,11 +9,16 @@ tiny model was built. The true answer is the version: the range the patchset is 
 (``requires``, checked by the compatibility matrix) and the installed release, as
 :class:`VersionMismatch`.
 
-Two questions, in this order: does ``requires.transformers`` hold the installed release
-(:func:`engine.foundation.versions.check_requires`), and does the release define the patchset's model
-type at all. The second is asked of bundled patchsets (a user's file naming an unknown type is
-more likely a typo: its caller says so, with suggestions) and, for a model type alone (the
-scaffold), of the bundled patchset that covers it.
+Two questions, in this order: does ``requires.transformers`` hold the installed release, and
+does the release define the patchset's model type at all. Outside the range, the
+``unverified_release`` policy (:mod:`engine.foundation.release_policy`) decides: ``refuse``
+raises here (:func:`engine.foundation.versions.check_requires`); ``verify`` and ``trust`` return an
+:class:`OutsideRange` that the plan carries, and :func:`engine.apply` verifies the patchset on the
+installed release before patching (:mod:`engine.releases`) or warns. A model type the release
+lacks is refused whatever the policy (there is nothing to verify on); that second question is
+asked of bundled patchsets (a user's file naming an unknown type is more likely a typo: its
+caller says so, with suggestions) and, for a model type alone (the scaffold), of the bundled
+patchset that covers it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import VersionMismatch
-from engine.foundation.versions import check_requires, installed_version
+from engine.foundation.release_policy import OutsideRange, resolve_policy
+from engine.foundation.versions import check_requires, in_range, installed_version
 
 __all__ = ["bundled_covering", "check_release", "is_bundled", "known_model_type"]
 
@@ -51,22 +57,37 @@ def _absent(name: str, model_type: str, spec: str | None) -> VersionMismatch:
     )
 
 
-def check_release(patchset: Any, model_type: str | None = None) -> None:
-    """Refuse ``patchset`` under this transformers, before anything is built: see the module docstring.
+def check_release(patchset: Any, model_type: str | None = None, *, policy: str | None = None) -> OutsideRange | None:
+    """Is ``patchset`` for this transformers? Asked before anything is built: see the module docstring.
 
     ``model_type`` is the type about to be built (a tiny model's); by default any of the
-    patchset's ``model_types`` will do.
+    patchset's ``model_types`` will do. ``policy`` is the ``unverified_release`` setting
+    (:func:`engine.foundation.release_policy.resolve_policy`: default from the environment, else
+    ``verify``).
+
+    Returns:
+        ``None`` when ``requires`` holds the installed release; an :class:`OutsideRange` when it
+        does not and the policy lets the release through (``verify``: the caller verifies it on
+        this release before patching, :mod:`engine.releases`; ``trust``: it warns).
 
     Raises:
-        VersionMismatch: ``requires`` leaves out the installed release, or a bundled patchset's
-            model type is not defined by it; naming the verified range and the installed version.
+        VersionMismatch: ``requires`` leaves out the installed release and the policy is
+            ``refuse``; or a bundled patchset's model type is not defined by the installed release
+            (whatever the policy: there is nothing to verify it on).
+        InvalidArgument: ``policy`` (or the environment variable) is not a policy.
     """
+    resolved = resolve_policy(policy)
     spec = patchset.requires.transformers if patchset.requires is not None else None
-    check_requires(patchset.name, spec)
+    if resolved == "refuse":
+        check_requires(patchset.name, spec)
     # a type the patchset does not declare is the caller's to refuse (a typo gets suggestions there)
     types = [model_type] if model_type in patchset.model_types else list(patchset.model_types)
     if types and is_bundled(patchset) and not any(known_model_type(t) for t in types):
         raise _absent(patchset.name, types[0], spec)
+    installed = installed_version()
+    if not in_range(spec, installed):
+        return OutsideRange(patchset.name, str(spec), installed or "none", resolved)
+    return None
 
 
 def bundled_covering(model_type: str) -> VersionMismatch | None:

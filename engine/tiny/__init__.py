@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.errors import InvalidArgument, PatchsetError
+from engine.errors import InvalidArgument, PatchsetError, VersionMismatch
 from engine.runtime.release import bundled_covering, check_release
 
 __all__ = [
@@ -264,7 +264,7 @@ def build_tiny_for(
     """
     tiny = patchset.tiny_model
     mt = model_type or (tiny.model_type if tiny and tiny.model_type else patchset.model_types[0])
-    check_release(patchset, mt)  # the version refusal comes before anything is built
+    outside = check_release(patchset, mt)  # the version refusal comes before anything is built
     config = dict(tiny.config) if tiny else {}
     file = _patchset_file(patchset)
     check_tiny_config(mt, config, file=file)
@@ -278,6 +278,12 @@ def build_tiny_for(
     except InvalidArgument as exc:  # our own, from tiny_model.random_buffers: it names its key
         raise PatchsetError(str(exc), file=file, key="tiny_model.random_buffers") from exc
     except Exception as exc:  # whatever transformers' config, model __init__ or forward raises for these values
+        if outside is not None:  # a release the patchset is not verified on: that is the likelier cause
+            raise VersionMismatch(
+                f"{outside}, and its tiny {mt} model cannot be built on {outside.installed} ({type(exc).__name__}: "
+                f"{str(exc).strip()}), so nothing can verify it there; nothing was patched. Install a transformers "
+                f"in {outside.spec} (docs/compatibility.md)"
+            ) from exc
         raise PatchsetError(
             f"building a tiny {mt} model from it failed: {type(exc).__name__}: {str(exc).strip()}. "
             f"Fix the values (keyword arguments of AutoConfig.for_model({mt!r}))", file=file, key="tiny_model.config",

@@ -57,7 +57,7 @@ def verify_module(
     """
     op = get_op(d.op)
     assert isinstance(op, ModuleOp)
-    alternatives = list(op.alternatives(d.patch))
+    alternatives = list(op.module_alternatives(d.patch, module))
     alt_exact = {label: True for label, _ in alternatives}
     decl_results: list[tuple[torch.dtype, tuple[float, float, bool]]] = []
     kernel_checks: list[Check] = []

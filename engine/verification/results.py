@@ -133,14 +133,18 @@ class VerifyReport:
             "checks": [vars(c) for c in self.checks],
         }
 
-    def __str__(self) -> str:
+    def headline(self) -> str:
+        """The verdict in one line: passed or failed, how many modules and checks, in which dtypes."""
         modules = sum(1 for r in self.rows() if not r["module"].startswith(MODEL))
         verdict = "passed" if self.passed else f"FAILED ({len(self.failures)} of {len(self.checks)} checks)"
         head = (f"verification {verdict}: {modules} patched modules and functions, {len(self.checks)} checks, "
                 f"model dtype {self.model_dtype}, modules checked in {' and '.join(self.dtypes)}")
         if self.sampled:
             head += f" ({self.sampled} more patched modules not checked one by one: a sample of each class)"
-        return f"{head}\n{self.table()}\n{self.legend()}"
+        return head
+
+    def __str__(self) -> str:
+        return f"{self.headline()}\n{self.table()}\n{self.legend()}"
 
 
 def failure_message(report: VerifyReport) -> str:
