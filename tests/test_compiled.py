@@ -215,6 +215,67 @@ def test_compile_failure_at_runtime_warns_and_uses_the_reference() -> None:
         kernel(a, torch.randn(5, 4))
 
 
+def _norm_last(kernel):
+    """A block whose last saved tensor comes out of ``kernel`` (as Gemma 3's post-feedforward norm's does)."""
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return kernel(torch.tanh(x), w, 1e-6)
+    return block
+
+
+def test_a_non_reentrant_checkpoint_stops_its_recompute_through_the_kernel() -> None:
+    """torch's non-reentrant checkpoint raises ``_StopRecomputationError`` to end a recompute early: a control-flow
+    exception, not a kernel failure (it had been caught, the reference rerun inside the recompute, the kernel
+    disabled for good, and the checkpoint failed: "Unexpected state: target_frame.early_stop is set")."""
+    from torch.utils.checkpoint import checkpoint
+
+    reference = lambda x, w, eps: rms_norm_reference(x, w, eps)  # noqa: E731
+    kernel = compiled._CompiledKernel(reference, "rms_norm", compile=lambda fn, name: fn)  # the call path, no inductor
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.rand(8, requires_grad=True)
+    gx, gw = torch.autograd.grad(_norm_last(reference)(x, w).square().sum(), (x, w))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        out = checkpoint(_norm_last(kernel), x, w, use_reentrant=False, early_stop=True)
+        got = torch.autograd.grad(out.square().sum(), (x, w))
+    assert not kernel.failed
+    torch.testing.assert_close(got, (gx, gw), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), MemoryError()],
+                         ids=["OutOfMemoryError", "MemoryError"])
+def test_running_out_of_memory_is_not_a_kernel_failure(error: Exception) -> None:
+    def out_of_memory(*args):
+        raise error
+
+    kernel = compiled._CompiledKernel(silu_mul_reference, "swiglu", compile=lambda fn, name: out_of_memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(type(error)):
+            kernel(torch.randn(3, 4), torch.randn(3, 4))
+    assert not kernel.failed  # the next call tries the compiled code again
+
+
+def test_gemma3_trains_with_compiled_kernels_under_non_reentrant_gradient_checkpointing() -> None:
+    """transformers' own test_training_gradient_checkpointing_use_reentrant_false on Gemma 3, compiled kernels
+    forced on every call: the patched gradients are the unpatched ones', and no kernel falls back."""
+    reference = tiny_for("gemma3_text")
+    patched = copy.deepcopy(reference)
+    engine.apply(patched, "gemma3_text", device="cpu", mode="training")
+    batch = probe_batch(reference)
+    grads = []
+    for model in (reference, patched):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(), compiled.compiled_from(1):
+            warnings.simplefilter("error", RuntimeWarning)  # "torch.compile of ... failed": a fallback
+            model(**batch).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def _branchy(x: torch.Tensor) -> torch.Tensor:
     """Specializes on its input's length (a guard our shape classes do not key on): a recompile per side."""
     return x * 2 if x.shape[0] > 8 else x * 3

@@ -46,6 +46,7 @@ import torch
 
 from engine.errors import MissingDependency
 from engine.kernels.registry import KernelProvider, register
+from engine.runtime.control_flow import not_a_failure
 from engine.schema import Device
 
 __all__ = ["COMPILED_OPS", "ENV_SWITCH", "CompilerRequirement", "clear_cache", "compiled_from", "compiled_kernel",
@@ -206,6 +207,8 @@ class _CompiledKernel:
             if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                 return _Trainable.apply(self.reference, fn, *args)
             return fn(*args)
+        except not_a_failure():  # a checkpoint's early stop, out of memory: not the compiled kernel's failure
+            raise
         except Exception as exc:
             return self._fall_back(key, exc, args)
 

@@ -25,6 +25,7 @@ from engine.errors import VersionMismatch
 from engine.kernels.triton_interpret import is_interpreting
 from engine.patching.patcher import apply, revert
 from engine.planning.decisions import Plan
+from engine.runtime.control_flow import not_a_failure
 from engine.schema import Device, Patchset
 from engine.tiny import build_tiny_for
 from engine.verification import verify
@@ -101,7 +102,7 @@ def verify_on_this_release(model: nn.Module, plan: Plan, dtype: torch.dtype) -> 
                 report = verify(tiny, raise_on_failure=False)
             finally:
                 revert(tiny)
-    except VersionMismatch:  # the tiny model cannot be built on this release: that refusal says it all
+    except (VersionMismatch, *not_a_failure()):  # unbuildable here: that refusal says it all; out of memory
         raise
     except Exception as exc:  # noqa: BLE001  (whatever stops the tiny model is the finding: nothing vouches for the release)
         finding = (f"the {label} of patchset {plan.patchset.name!r} could not be built, planned or verified on this "
