@@ -132,3 +132,24 @@ def test_unknown_device_is_a_usage_error(qwen3) -> None:
 def test_duplicate_registration_is_refused() -> None:
     with pytest.raises(ValueError, match="already registered"):
         registry.register(registry.get("torch", "rms_norm"))
+
+
+@pytest.mark.parametrize(("offload", "says"), [("bogus", "is not a place to keep what verification compares"),
+                                               ("cuda", "this machine has no cuda device"),
+                                               ("cuda:7", "this machine has no cuda device")])
+def test_a_bad_offload_is_our_clear_error_naming_it_and_the_model_is_untouched(qwen3, offload, says) -> None:
+    """torch's own answers were ``Expected one of cpu, cuda, ...`` and ``Torch not compiled with CUDA enabled``."""
+    if offload.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    before = snapshot(qwen3)
+    pattern = (rf"verify\(offload={offload!r}\).*{says}.*'auto' \(default\), 'host', 'none', or a device of this "
+               r"machine \(present: cpu")
+    with pytest.raises(engine.InvalidArgument, match=pattern):
+        engine.verify(qwen3, "qwen3", offload=offload)
+    assert_same(before, snapshot(qwen3))
+    assert not engine.is_patched(qwen3)
+    engine.apply(qwen3, "qwen3", device="cpu")  # and on a model patched before: it stays patched, as it was
+    with pytest.raises(engine.InvalidArgument, match=pattern):
+        engine.verify(qwen3, offload=offload)
+    assert engine.is_patched(qwen3)
+    engine.revert(qwen3)

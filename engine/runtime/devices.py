@@ -72,6 +72,18 @@ def is_present(device: Device) -> bool:
         return False
 
 
+def present_devices() -> list[str]:
+    """The devices of this machine, as ``torch.device`` strings: ``cpu`` and each accelerator's indices."""
+    found = ["cpu"]
+    for kind in ("cuda", "xpu", "npu", "mps"):
+        device = Device(kind)
+        if is_present(device):
+            module = getattr(torch, kind, None)
+            count = getattr(module, "device_count", lambda: 1)() if module is not None else 1
+            found += [kind] if kind == "mps" else [f"{kind}:{i}" for i in range(max(int(count), 1))]
+    return found
+
+
 def parameter_devices(model: torch.nn.Module) -> list[str]:
     """The device types the model's parameters and buffers are on, ``meta`` left out (offloaded weights)."""
     found: dict[str, None] = {}

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from engine.errors import InvalidArgument
 from engine.patching.patcher import STATE_ATTR, original_forwards
 from engine.planning import fused_head
 from engine.runtime.hub_functions import torch_path
@@ -61,7 +62,35 @@ def holding_device(model: nn.Module, offload: Offload = "auto") -> torch.device:
         return torch.device("cpu") if device.type != "cpu" else device
     if offload in ("none", None):
         return device
-    return torch.device("cpu" if offload == "host" else offload)
+    if offload == "host":
+        return torch.device("cpu")
+    return _present_device(offload)
+
+
+def _present_device(offload: Any) -> torch.device:
+    """``offload`` as a device of this machine, else :class:`InvalidArgument` naming the setting and what is here.
+
+    Why: torch's own answers (``Expected one of cpu, cuda, ...`` for a typo, ``Torch not compiled
+    with CUDA enabled`` for a device this machine lacks) came from deep inside the verification
+    and named neither ``offload`` nor what it takes.
+    """
+    from engine.runtime.devices import as_device, is_present, present_devices
+
+    allowed = "'auto' (default), 'host', 'none', or a device of this machine"
+    here = ", ".join(present_devices())
+    try:
+        target = torch.device(offload)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgument(f"verify(offload={offload!r}) is not a place to keep what verification compares: use "
+                              f"{allowed} (present: {here})") from None
+    try:
+        present = is_present(as_device(target.type))
+    except (InvalidArgument, ValueError):
+        present = False
+    if not present:
+        raise InvalidArgument(f"verify(offload={offload!r}): this machine has no {target.type} device; use {allowed} "
+                              f"(present: {here})")
+    return target
 
 
 @dataclass

@@ -63,7 +63,8 @@ def verify(
             logits and loss, the modules' recorded inputs): ``"auto"`` keeps it on the host
             when the model is on an accelerator (the device then needs little more than a
             training step), where it is on a CPU; ``"host"``, ``"none"`` (the model's device)
-            or a device (:func:`engine.verification.models.holding_device`).
+            or a device of this machine (:func:`engine.verification.models.holding_device`); anything
+            else is an :class:`InvalidArgument` naming ``offload``, the values and the devices present.
 
     Raises:
         VerificationFailed: on any failed check (unless ``raise_on_failure=False``); the
@@ -80,6 +81,7 @@ def verify(
     if modules not in ("all", "sample"):
         raise ValueError(f"verify(modules={modules!r}): expected 'all' (every patched module) or 'sample' "
                          "(first, middle and last of each patched class)")
+    holding_device(model, offload)  # a bad offload is an InvalidArgument before anything changes
     if patchset is not None and STATE_ATTR not in model.__dict__:
         apply(model, patchset, **apply_kwargs)
         try:
