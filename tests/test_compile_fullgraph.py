@@ -160,7 +160,9 @@ def test_explicit_experts_implementation_is_honoured_at_plan_time() -> None:
 
 
 def test_switching_experts_implementation_after_apply_is_honoured() -> None:
-    """transformers' dispatcher runs the implementation switched to; back on the default, the patch's kernel."""
+    """transformers' dispatcher runs the implementation switched to, grouped_mm too once the user has chosen
+    (transformers' own test_eager_matches_batched_and_grouped_inference switches eager -> batched_mm ->
+    grouped_mm and expects each to run); apply again after a revert, and the patch's kernel stands in again."""
     from transformers.integrations import moe
 
     model = tiny_for("qwen3_moe")
@@ -175,7 +177,12 @@ def test_switching_experts_implementation_after_apply_is_honoured() -> None:
         torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
         assert batched.called and not grouped.called
         batched.reset_mock()
-        model.set_experts_implementation("grouped_mm")  # the default the patch stands in for
+        model.set_experts_implementation("grouped_mm")  # the default, but now the user's choice: transformers' runs
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+        assert grouped.called and not batched.called
+        grouped.reset_mock()
+        engine.revert(model)
+        engine.apply(model, "qwen3_moe", device="cpu")  # nothing chosen since: the kernel stands in for grouped_mm
         torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
         assert not batched.called and not grouped.called
     engine.revert(model)

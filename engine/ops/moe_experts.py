@@ -21,7 +21,10 @@ default implementation (``grouped_mm``; ``eager`` for a class that cannot switch
 the user made is honoured, never silently overridden: experts whose config names another
 implementation at plan time are left as they are (skipped, with the reason in the plan), and
 a patched module whose config is switched after apply (``model.set_experts_implementation``)
-runs transformers' dispatcher, i.e. the implementation chosen, until switched back. The layout is declared in the YAML
+runs transformers' dispatcher, i.e. the implementation chosen, from the first forward that sees
+the switch on: switching back to ``grouped_mm`` is a choice too, honoured (transformers' own
+``grouped_mm`` runs; apply again after a revert to get the kernel back). A switch made and undone
+with no forward in between is not seen (the config then holds the value the kernel stands in for). The layout is declared in the YAML
 and checked at plan time against the weights' shapes and the flags the decorator sets
 (``is_transposed``, ``is_concatenated``, ``has_bias``, ``has_gate``, ``has_post_expert_norm``).
 """
@@ -236,9 +239,11 @@ class MoeExpertsOp(ModuleOp):
         names = [p.name for p in forward_parameters(type(module))[:3]]
         applied = _implementation(module)  # what the kernel stands in for; another value later is a user's switch
         dispatch = type(module).forward
+        chose = [False]  # once a switch is seen, every later choice is the user's, grouped_mm included
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if applied is not None and _implementation(self) != applied:
+            if chose[0] or (applied is not None and _implementation(self) != applied):
+                chose[0] = True
                 return dispatch(self, *args, **kwargs)  # switched after apply: honour it
             if kwargs or len(args) != 3:
                 bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
