@@ -99,7 +99,7 @@ def release_verdict(model: nn.Module, plan: Plan) -> ReleaseVerdict:
         verdict = ReleaseVerdict(
             outside.patchset, outside.spec, outside.installed, outcome.passed, outcome.finding, outcome.model, kind,
             material["dtype"], plan.mode, outcome.checks, outcome.seconds,
-            datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             plan.file or plan.patchset.name,
         )
         stored = {k: v for k, v in verdict.to_dict().items() if k not in ("cache_file", "cached")}
@@ -116,8 +116,8 @@ def _refusal(verdict: ReleaseVerdict) -> ReleaseVerificationFailed:
         f"({verdict.summary()}; verdict {verdict.where()}{', from an earlier apply' if verdict.cached else ''}):\n"
         f"{verdict.finding}\n"
         f"The release changed what a target computes, or the declaration never fit: fix the patch the finding names "
-        f"(patch-engine verify {verdict.source or verdict.patchset} shows every check; a `when` range keeps the old declaration for "
-        f"older releases, docs/versions.md), or install a transformers in {verdict.spec}. "
+        f"(patch-engine verify {verdict.source or verdict.patchset} shows every check; a `when` range keeps the old "
+        f"declaration for older releases, docs/versions.md), or install a transformers in {verdict.spec}. "
         "unverified_release='trust' would apply it anyway, computing other numbers than the original."
     )
     error = ReleaseVerificationFailed(text)
@@ -144,9 +144,9 @@ class ReleaseGate:
             return
         if outside.policy == "trust":
             self.outcome = outside
-            warnings.warn(f"patch-engine: {outside}; patched without verifying it there (unverified_release='trust'). "
-                          "Verify it: engine.verify(model) after apply, or patch-engine verify "
-                          f"{outside.patchset}", UnverifiedReleaseWarning, stacklevel=4)
+            message = (f"patch-engine: {outside}; patched without verifying it there (unverified_release='trust'). "
+                       f"Verify it: engine.verify(model) after apply, or patch-engine verify {outside.patchset}")
+            warnings.warn(message, UnverifiedReleaseWarning, stacklevel=4)
             return
         if self.verified_after:  # apply(verify=...): the model's own verification follows, and decides
             self.outcome = outside
@@ -174,6 +174,6 @@ class ReleaseGate:
         """The model's own verification failed: add the release to what the error says."""
         outside = self._deferred()
         if outside is not None and error.args:
-            error.args = (f"{error.args[0]}\n(note: {outside}, so the release may have changed what a target "
-                          "computes; a `when` range keeps the old declaration for older releases, docs/versions.md)",
-                          *error.args[1:])
+            note = (f"\n(note: {outside}, so the release may have changed what a target computes; a `when` range "
+                    "keeps the old declaration for older releases, docs/versions.md)")
+            error.args = (f"{error.args[0]}{note}", *error.args[1:])

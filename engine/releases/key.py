@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LIBRARIES", "device_kind", "engine_fingerprint", "key_of", "key_material", "library_versions"]
+__all__ = ["LIBRARIES", "device_kind", "engine_fingerprint", "key_material", "key_of", "library_versions"]
 
 #: Distributions whose code a verdict depends on (absent ones are recorded as absent).
 LIBRARIES = ("transformers", "torch", "liger-kernel", "flash-linear-attention", "fla-core", "triton", "torch-npu",
@@ -72,7 +72,7 @@ def device_kind(device: str, *, interpreted: bool = False, index: int | None = N
         try:
             return f"{device} {name()}"
         except Exception:  # noqa: BLE001  (a backend without names: the type is the kind)
-            pass
+            return device
     return device
 
 

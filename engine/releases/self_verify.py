@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
