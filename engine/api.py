@@ -123,7 +123,7 @@ def apply(
 
 
 
-_VERIFY_OPTIONS = ("batch", "modules", "check_model")
+_VERIFY_OPTIONS = ("batch", "modules", "check_model", "progress")
 
 
 def _verify_options(verify: bool | str | Mapping[str, Any]) -> dict[str, Any] | None:

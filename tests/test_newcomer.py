@@ -52,7 +52,8 @@ def test_the_readmes_commands_with_the_newest_releases_patch_verify_and_print_nu
     python = venv / "bin" / "python"
     env = {**os.environ, "PIP_CONSTRAINT": os.devnull, "VIRTUAL_ENV": str(venv),  # the newest: no cap, no lock
            "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("PYTHONPATH", None)
+    for own in ("PYTHONPATH", "PATCH_ENGINE_COMPILE", "PATCH_ENGINE_UNVERIFIED_RELEASE"):  # tests/conftest.py's, not a newcomer's
+        env.pop(own, None)
     for command in readme_install_commands():
         args = shlex.split(command)
         subprocess.run([str(python), "-m", *args, "-q"], check=True, cwd=ROOT, env=env)

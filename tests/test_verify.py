@@ -316,3 +316,15 @@ def test_the_difference_of_two_results_is_measured_without_touching_them() -> No
     assert compare(off, want) == (float("inf"), float("inf"), False)
     truth = want.double() + 1e-9
     assert max_abs_diff(truth, want) == pytest.approx(1e-9, rel=1e-6)
+
+
+def test_progress_counts_every_module_and_the_whole_model() -> None:
+    """verify(progress=...) reports modules checked out of the total, then the whole model (a bar on a terminal)."""
+    model = tiny_for("qwen3")
+    seen: list[tuple[int, int, str]] = []
+    report = engine.verify(model, "qwen3", device="cpu",
+                           progress=lambda done, total, what: seen.append((done, total, what)))
+    patched = {c.path for c in report.checks if c.path != "<model>"}
+    assert [s[0] for s in seen] == list(range(1, len(patched) + 2)) and {s[1] for s in seen} == {len(patched) + 1}
+    assert {s[2] for s in seen[:-1]} == patched and seen[-1][2] == "the whole model"
+    assert report.seconds > 0 and report.to_dict()["seconds"] == report.seconds

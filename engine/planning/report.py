@@ -89,6 +89,27 @@ class Report:
             "release": _release_dict(self.release),
         }
 
+    def summary_line(self) -> str:
+        """The one line a launcher shows at its default log level: what was patched, with what, and verified or not.
+
+        ``patch-engine: patchset 'qwen3' on qwen3 (cpu, training): 12 patched, 0 skipped; kernels rms_norm:
+        torch x9, swiglu: torch x2, rope: torch x1; verification passed (47 checks, 1.3 s)``.
+        """
+        kernels: dict[tuple[str, str], int] = {}
+        for d in self.decisions:
+            if d.action == "patch":
+                kernels[(d.op, d.kernel or "-")] = kernels.get((d.op, d.kernel or "-"), 0) + 1
+        used = ", ".join(f"{op}: {kernel} x{n}" for (op, kernel), n in kernels.items()) or "none"
+        verification = self.verification
+        if verification is None:
+            verified = "not verified (turn verification on to check the numbers before training)"
+        else:
+            verdict = "passed" if verification.passed else f"FAILED ({len(verification.failures)} checks)"
+            verified = f"verification {verdict} ({len(verification.checks)} checks, {verification.seconds} s)"
+        release = f"; {_release_line(self.release)}" if self.release is not None else ""
+        return (f"patch-engine: patchset {self.patchset!r} on {self.model_type} ({self.device}, {self.mode}): "
+                f"{len(self.patched)} patched, {len(self.skipped)} skipped; kernels {used}; {verified}{release}")
+
     def table(self, *, detail: bool = False) -> str:
         return format_decisions(self.decisions, detail=detail)
 

@@ -63,6 +63,8 @@ class VerifyReport:
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     #: Patched modules not checked one by one (``verify(modules="sample")``); 0: every one was.
     sampled: int = 0
+    #: Wall time of the verification, in seconds (set by :func:`engine.verification.verify`).
+    seconds: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -125,6 +127,7 @@ class VerifyReport:
             "dtypes": list(self.dtypes),
             "judge": {"noise_factor": NOISE_FACTOR, "floor_ulps": FLOOR_ULPS, "truth": "fp64"},
             "sampled": self.sampled,
+            "seconds": self.seconds,
             "modules": [
                 {**{k: v for k, v in row.items() if k != "errors"},
                  "errors": {dt: {"max_abs": e[0], "max_rel": e[1]} for dt, e in row["errors"].items()}}

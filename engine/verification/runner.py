@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from engine.verification.compare import DTYPE_NAMES, move_tensors
 from engine.verification.models import Alongside, Offload, compare_models, holding_device, seeded
 from engine.verification.modules import verify_function, verify_module
 from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, recording, takes_labels
+from engine.verification.progress import Progress, ProgressOption
 from engine.verification.random_state import keeps_random_state
 from engine.verification.results import Check, VerifyReport, failure_message
 
@@ -34,6 +36,7 @@ def verify(
     check_model: bool = True,
     raise_on_failure: bool = True,
     offload: Offload = "auto",
+    progress: ProgressOption = None,
     **apply_kwargs: Any,
 ) -> VerifyReport:
     """Verify a patched model (or, given ``patchset``, patch an unpatched one, verify it, and revert it).
@@ -65,6 +68,9 @@ def verify(
             training step), where it is on a CPU; ``"host"``, ``"none"`` (the model's device)
             or a device of this machine (:func:`engine.verification.models.holding_device`); anything
             else is an :class:`InvalidArgument` naming ``offload``, the values and the devices present.
+        progress: modules checked out of the total (and the whole model) as a tqdm bar on stderr,
+            shown once the work takes 2 s: ``None`` where stderr is a terminal, ``True``, ``False``, or
+            ``fn(done, total, what)`` (:mod:`engine.verification.progress`).
 
     Raises:
         VerificationFailed: on any failed check (unless ``raise_on_failure=False``); the
@@ -86,7 +92,7 @@ def verify(
         apply(model, patchset, **apply_kwargs)
         try:
             return verify(model, batch=batch, modules=modules, check_model=check_model,
-                          raise_on_failure=raise_on_failure, offload=offload)
+                          raise_on_failure=raise_on_failure, offload=offload, progress=progress)
         finally:
             revert(model)  # also on failure: the model is exactly as it was
     state = model.__dict__.get(STATE_ATTR)
@@ -96,6 +102,7 @@ def verify(
             "engine.apply(model, patchset) first, or pass the patchset: engine.verify(model, 'qwen3') "
             "patches it, verifies, and reverts it"
         )
+    started = time.perf_counter()
     decisions = [d for d in state.report.decisions if d.action == "patch"]
     checked = decisions if modules == "all" else sample_modules(decisions)
     batch = prepare_batch(model, batch)
@@ -110,11 +117,13 @@ def verify(
     containers = _containers(checked)
     captured: dict[str, Any] = {}
     per_path: dict[str, list[Check]] = {}
+    shown = Progress(len(checked) + int(check_model), progress)
 
     def check_captured() -> None:  # each check as soon as its inputs are there, which are then released
         for d in checked:
             if d.path in captured and d.path not in per_path:
                 per_path[d.path] = _check_one(d, captured.pop(d.path), model, named, containers, low)
+                shown.step(d.path)
 
     model_checks: list[Check] = []
     if check_model:
@@ -137,6 +146,7 @@ def verify(
                               after_original=check_captured, during_patched=during_patched)
         model_checks = compare_models(model, batch, offload=held, alongside=alongside)
         check_captured()
+        shown.step("the whole model")
         for d in by_router:
             if d.path in per_path and d.path not in called:
                 per_path[d.path] = [Check(d.path, "function", d.op, "called", "-", 0.0, 0.0, False,
@@ -153,6 +163,8 @@ def verify(
             cls = d.cls if d.site is None else "function"
             report.checks.append(Check(d.path, cls, d.op, "called", "-", 0.0, 0.0, False, _NOT_CALLED, d.kernel or "-"))
     report.checks.extend(model_checks)
+    report.seconds = round(time.perf_counter() - started, 2)
+    shown.close()
     if raise_on_failure and not report.passed:
         error = VerificationFailed(failure_message(report))
         error.report = report  # type: ignore[attr-defined]
