@@ -36,6 +36,9 @@ def library_versions() -> tuple[tuple[str, str | None], ...]:
     """``(distribution, version or None)`` of :data:`LIBRARIES`, read once per process."""
     found = []
     for name in LIBRARIES:
+        if name == "torch":  # with its local label: a CUDA build (+cu130) and the CPU wheel (+cpu) differ
+            found.append((name, torch.__version__))
+            continue
         try:
             found.append((name, metadata.version(name)))
         except metadata.PackageNotFoundError:
