@@ -14,8 +14,12 @@ dropout draws the same masks in both runs, and nothing else may differ.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,58 @@ def wrong_norms(folder: Path) -> str:
     path = folder / "qwen3_wrong_norm.yaml"
     path.write_text(yaml.safe_dump(wrong))
     return str(path)
+
+
+def write_distribution(folder: Path, name: str, version: str, modules: dict[str, str]) -> Path:
+    """An installed distribution in ``folder`` (put it on ``sys.path``): its modules' sources and a ``.dist-info``.
+
+    For the import failures a user meets (a dependency that raises while it is imported), where the
+    real broken package cannot be installed in a test venv: ``modules`` maps ``"pkg/mod.py"`` to source.
+    """
+    for relative, source in modules.items():
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    info = folder / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    tops = sorted({relative.split("/")[0].removesuffix(".py") for relative in modules})
+    (info / "top_level.txt").write_text("\n".join(tops) + "\n")
+    return folder
+
+
+@contextlib.contextmanager
+def launcher_output(*loggers: str, exclude: tuple[str, ...] = ()) -> Iterator[io.StringIO]:
+    """What the named loggers' own console handlers print in the block.
+
+    Why swap the handlers' streams instead of capturing stdout: a launcher's handler keeps the stream it
+    was made with (pytest's capture of an earlier test, here), so only its own handler shows what a user
+    sees: at the launcher's level, with its filters and format. ``exclude``: handler names to leave
+    alone (axolotl's ``ax_file_only``, a stream into its debug.log).
+    """
+    buffer, swaps = io.StringIO(), []
+    for name in loggers:
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler and handler.get_name() not in exclude:
+                swaps.append((handler, handler.setStream(buffer)))
+    assert swaps, f"no console handler on {loggers}: is the launcher's logging configured?"
+    try:
+        yield buffer
+    finally:
+        for handler, stream in swaps:
+            handler.setStream(stream)
+
+
+def assert_one_line(output: str, *, verified: bool) -> str:
+    """The launcher's default output holds the report's one line, once, and not the full report; the line."""
+    lines = [line for line in output.splitlines() if "patch-engine: patchset" in line]
+    assert len(lines) == 1, f"expected the one line once in the launcher's output:\n{output}"
+    line = lines[0]
+    assert f"{PATCHED_MODULES} patched, 0 skipped; kernels rms_norm: " in line, line
+    assert ("verification passed (" in line) == verified and ("not verified" in line) != verified, line
+    assert "patch-engine report:" not in output, "the full report is for the launcher's verbose level"
+    print(f"the launcher's default output shows:\n{line}")
+    return line
 
 
 def assert_same_losses(patched: list[float], unpatched: list[float]) -> None:

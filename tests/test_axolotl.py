@@ -21,7 +21,17 @@ from typing import Any
 
 import pytest
 import yaml
-from stack_helpers import LORA_DROPOUT, PATCHED_MODULES, STEPS, assert_same_losses, installed, write_tiny, wrong_norms
+from stack_helpers import (
+    LORA_DROPOUT,
+    PATCHED_MODULES,
+    STEPS,
+    assert_one_line,
+    assert_same_losses,
+    installed,
+    launcher_output,
+    write_tiny,
+    wrong_norms,
+)
 
 from engine.errors import MissingDependency, ModelTypeMismatch, VerificationFailed
 
@@ -36,7 +46,7 @@ PLUGIN = "engine.integrations.axolotl.PatchsetPlugin"
 
 @pytest.mark.skipif(HAS_AXOLOTL, reason="axolotl is installed: the missing-package error cannot be seen here")
 def test_without_axolotl_the_plugin_names_what_to_install() -> None:
-    with pytest.raises(MissingDependency, match=r"needs axolotl: pip install axolotl"):
+    with pytest.raises(MissingDependency, match=r"needs axolotl \(axolotl\.integrations\.base\): pip install axolotl"):
         import engine.integrations.axolotl  # noqa: F401
 
 
@@ -79,8 +89,12 @@ def _fresh_plugins() -> None:
     PluginManager._instance = None
 
 
-def axolotl_train(path: Path) -> tuple[list[float], Any]:
-    """axolotl's train on ``path``; (per-step losses, our plugin or ``None``)."""
+def axolotl_train(path: Path) -> tuple[list[float], Any, str]:
+    """axolotl's train on ``path``; (per-step losses, our plugin or ``None``, what axolotl's console showed).
+
+    The console is axolotl's own handler, configured as ``axolotl train`` configures it (importing
+    ``axolotl.cli`` runs its ``configure_logging``) and read at its default levels (no ``LOG_LEVEL``).
+    """
     from axolotl.cli.config import load_cfg
     from axolotl.common.datasets import load_datasets
     from axolotl.integrations.base import PluginManager
@@ -88,12 +102,13 @@ def axolotl_train(path: Path) -> tuple[list[float], Any]:
 
     _fresh_plugins()
     try:
-        cfg = load_cfg(str(path))
-        dataset_meta = load_datasets(cfg=cfg)
-        _, _, trainer = train(cfg=cfg, dataset_meta=dataset_meta)
+        with launcher_output("axolotl", exclude=("ax_file_only",)) as console:
+            cfg = load_cfg(str(path))
+            dataset_meta = load_datasets(cfg=cfg)
+            _, _, trainer = train(cfg=cfg, dataset_meta=dataset_meta)
         losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
         ours = PluginManager.get_instance().plugins.get(PLUGIN)
-        return losses, ours
+        return losses, ours, console.getvalue()
     finally:
         gc.collect()  # a patched model holds its function router until collected (conftest explains)
 
@@ -102,8 +117,8 @@ def axolotl_train(path: Path) -> tuple[list[float], Any]:
 def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
     runs = {}
     for adapter in ("full", "lora"):
-        losses, ours = axolotl_train(config(tiny, tmp_path_factory.mktemp("baseline"), adapter))
-        assert ours is None and len(losses) == STEPS
+        losses, ours, console = axolotl_train(config(tiny, tmp_path_factory.mktemp("baseline"), adapter))
+        assert ours is None and len(losses) == STEPS and "patch-engine" not in console
         runs[adapter] = losses
     return runs
 
@@ -115,9 +130,11 @@ def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     ("lora", {"patchset_verify": True}),  # no `patchset:` key: the model's model_type, qwen3
 ])
 def test_patched_losses_equal_unpatched(tiny, tmp_path, baseline, adapter, ours) -> None:
-    losses, plugin = axolotl_train(config(tiny, tmp_path, adapter, **ours))
+    losses, plugin, console = axolotl_train(config(tiny, tmp_path, adapter, **ours))
     assert plugin.report.patchset == "qwen3" and len(plugin.report.patched) == PATCHED_MODULES, str(plugin.report)
     assert plugin.report.verification.passed and plugin.report.mode == "training"
+    line = assert_one_line(console, verified=True)  # at axolotl's default level, through its handler
+    assert "[INFO] [axolotl.integrations.patch_engine] patch-engine: patchset 'qwen3' on qwen3" in line, line
     assert_same_losses(losses, baseline[adapter])  # LoRA: dropout 0.05 and verification, bit for bit
 
 
@@ -125,7 +142,7 @@ def test_patched_losses_equal_unpatched(tiny, tmp_path, baseline, adapter, ours)
 @pytest.mark.slow
 def test_the_fused_head_trains_like_the_unpatched_head(tiny, tmp_path, baseline) -> None:
     """``patchset_fused_cross_entropy: true``: head + loss fused (chunked), the losses as unpatched to rounding."""
-    losses, plugin = axolotl_train(config(tiny, tmp_path, "full", patchset="qwen3", patchset_fused_cross_entropy=True))
+    losses, plugin, _ = axolotl_train(config(tiny, tmp_path, "full", patchset="qwen3", patchset_fused_cross_entropy=True))
     assert any(d.op == "fused_linear_cross_entropy" and d.action == "patch" for d in plugin.report.decisions), str(
         plugin.report)
     diffs = [abs(a - b) for a, b in zip(losses, baseline["full"], strict=True)]
@@ -153,8 +170,9 @@ def test_a_fused_head_under_rl_is_refused_before_patching(tiny) -> None:
 @pytest.mark.slow
 def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> None:
     """The comparison above can fail; no ``patchset_verify``: the loss of step 1 already differs."""
-    losses, ours = axolotl_train(config(tiny, tmp_path, "full", steps=1, patchset=wrong_norms(tmp_path)))
+    losses, ours, console = axolotl_train(config(tiny, tmp_path, "full", steps=1, patchset=wrong_norms(tmp_path)))
     assert len(ours.report.patched) == PATCHED_MODULES
+    assert_one_line(console, verified=False)  # "not verified (turn verification on ...)"
     assert abs(losses[0] - baseline["full"][0]) > 1e-2, f"wrong norms {losses} vs unpatched {baseline['full']}"
 
 
@@ -191,7 +209,10 @@ def test_the_plugin_keeps_axolotl_from_auto_enabling_its_lora_mlp_kernel(tiny, t
 
 @needs_axolotl
 @pytest.mark.parametrize(("ours", "message"), [
-    ({"patchset_verfy": True}, r"unknown key 'patchset_verfy'.*did you mean 'patchset_verify'"),
+    # the plugin's keys only (before: axolotl's ~400, the schema the plugin's model is merged into)
+    ({"patchset_verfy": True}, (r"unknown key 'patchset_verfy' for engine\.integrations\.axolotl\.PatchsetPlugin \(its "
+                                r"keys: patchset, patchset_fused_cross_entropy, patchset_unverified_release, "
+                                r"patchset_verify\); did you mean 'patchset_verify'\?")),
     ({"patchset": "qwen3_typo"}, r"no patchset 'qwen3_typo'"),
     ({"patchset": "qwen3", "patchset_verify": "often"}, r"patchset_verify"),
     ({"patchset": "qwen3", "patchset_fused_cross_entropy": {"kernel": "auto", "chunk": 8}}, r"chunk"),

@@ -28,6 +28,7 @@ from stack_helpers import (
     PATCHED_MODULES,
     STEPS,
     LossRecorder,
+    assert_one_line,
     assert_same_losses,
     write_tiny,
     wrong_norms,
@@ -90,9 +91,11 @@ def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("finetuning_type", ["full", "lora"])
-def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, finetuning_type) -> None:
+def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, finetuning_type, capsys) -> None:
     losses, (callback,) = train(tiny, tmp_path, "qwen3", finetuning_type=finetuning_type, patchset_verify=True)
     assert len(callback.report.patched) == PATCHED_MODULES, str(callback.report)
+    # LlamaFactory's default output on stdout: its own INFO logs, the Trainer's printed losses, and our line
+    assert assert_one_line(capsys.readouterr().out, verified=True).startswith("patch-engine: patchset 'qwen3' on qwen3")
     assert callback.report.verification.passed  # patchset_verify: each module against its original, once
     assert callback.report.mode == "training"
     assert_same_losses(losses, baseline[finetuning_type])  # LoRA: dropout 0.05 and verification, bit for bit

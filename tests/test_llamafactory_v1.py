@@ -29,7 +29,17 @@ pytest.importorskip(
     reason="LlamaFactory is not installed here; .ci/llamafactory runs this file in its own venv "
     "(llamafactory==0.9.5 pins transformers<=5.6.0, trl<=0.24, peft<=0.18.1)",
 )
-from stack_helpers import LORA_DROPOUT, PATCHED_MODULES, STEPS, assert_same_losses, write_tiny, wrong_norms
+from stack_helpers import (
+    LORA_DROPOUT,
+    PATCHED_MODULES,
+    STEPS,
+    assert_one_line,
+    assert_same_losses,
+    launcher_output,
+    write_distribution,
+    write_tiny,
+    wrong_norms,
+)
 
 from engine.integrations import llamafactory as lf
 
@@ -89,10 +99,16 @@ def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, kind) -> N
     """
     kernel_config = {"name": "patch_engine", "verify": True} if kind == "full" else {
         "name": "patch_engine", "patchset": "qwen3", "verify": True}
-    losses = train(write_config(tiny, tmp_path, kernel_config, lora=kind == "lora"))
+    from llamafactory.v1.utils.logging import get_logger
+
+    get_logger()  # LlamaFactory's stdout handler, as every v1 module makes it on import
+    with launcher_output("llamafactory.v1") as console:  # at its default level (no LLAMAFACTORY_VERBOSITY)
+        losses = train(write_config(tiny, tmp_path, kernel_config, lora=kind == "lora"))
     report = lf.last_report
     assert report is not None and report.patchset == "qwen3" and len(report.patched) == PATCHED_MODULES, str(report)
     assert report.mode == "training" and report.verification.passed
+    line = assert_one_line(console.getvalue(), verified=True)
+    assert "] llamafactory.v1.plugins.patch_engine:" in line and ">> patch-engine: patchset 'qwen3'" in line, line
     assert_same_losses(losses, baseline[kind])
 
 
@@ -157,6 +173,40 @@ def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> No
     losses = train(config, "max_steps=1")  # the first step's loss already differs
     assert len(lf.last_report.patched) == PATCHED_MODULES
     assert abs(losses[0] - baseline["full"][0]) > 1e-2, f"wrong scale {losses} vs unpatched {baseline['full']}"
+
+
+def test_a_broken_dependency_is_named_not_llamafactory(tmp_path) -> None:
+    """LlamaFactory installed, torchvision broken (a CUDA build beside the CPU torch): the launcher names torchvision.
+
+    Before: ``MissingDependency: the LlamaFactory v1 integration needs LlamaFactory 0.9.5 or later (its v1 API)
+    (llamafactory.v1.config.arg_parser): pip install "llamafactory==0.9.5" (ModuleNotFoundError: Could not import
+    module 'set_seed'. ...)``, with 0.9.5 installed. The stand-in torchvision registers a fake for an op its
+    native library would have defined (what the real one's ``_meta_registrations`` does): torch raises, as it
+    did for the CUDA build, and transformers' lazy import turns that into ``Could not import module 'set_seed'``.
+    """
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    site = write_distribution(tmp_path / "site", "torchvision", "0.28.0", {
+        "torchvision/__init__.py": "from . import _meta_registrations\n",
+        "torchvision/_meta_registrations.py": ("import torch\n\n\n@torch.library.register_fake('torchvision::nms')\n"
+                                               "def meta_nms(dets, scores, iou_threshold):\n    return dets\n"),
+    })
+    config = tmp_path / "cfg.yaml"
+    config.write_text("model: /nonexistent\nkernel_config: {name: patch_engine}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "engine.integrations.llamafactory", "sft", str(config)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
+    assert proc.returncode != 0
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("MissingDependency: the LlamaFactory v1 integration: importing llamafactory.v1."), error
+    assert ("failed in torchvision._meta_registrations (torchvision 0.28.0): RuntimeError: operator "
+            "torchvision::nms does not exist") in error, error
+    assert "Could not import module 'set_seed'" in error and "llamafactory 0.9.5 is installed" in error, error
+    assert "pip install" not in error, error
 
 
 def test_several_processes_start_torchrun_on_this_launcher(monkeypatch) -> None:

@@ -21,7 +21,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from stack_helpers import LORA_DROPOUT, PATCHED_MODULES, STEPS, assert_same_losses, installed, write_tiny, wrong_norms
+from stack_helpers import (
+    LORA_DROPOUT,
+    PATCHED_MODULES,
+    STEPS,
+    assert_one_line,
+    assert_same_losses,
+    installed,
+    launcher_output,
+    write_tiny,
+    wrong_norms,
+)
 
 from engine.errors import MissingDependency, ModelTypeMismatch, PatchsetError, VerificationFailed
 from engine.integrations import ms_swift
@@ -44,7 +54,7 @@ def test_the_plugin_path_one_liner_prints_an_importable_file(capsys) -> None:
 
 @pytest.mark.skipif(HAS_SWIFT, reason="ms-swift is installed: the missing-package error cannot be seen here")
 def test_without_ms_swift_the_plugin_file_names_what_to_install() -> None:
-    with pytest.raises(MissingDependency, match=r"needs ms-swift: pip install ms-swift"):
+    with pytest.raises(MissingDependency, match=r"needs ms-swift \(swift\.callbacks\): pip install ms-swift"):
         runpy.run_path(str(plugin_path()))
 
 
@@ -123,10 +133,12 @@ def swift_sft(tiny: Path, out: Path, tuner: str, *, patched: bool, env: dict[str
         argv += ["--callbacks", "loss_recorder", CALLBACK_NAME, "--external_plugins", str(plugin_path())]
         sys.modules.pop(_plugin_module_name(), None)  # ms-swift imports a plugin file once per process
     try:
-        sft_main(argv)
+        with launcher_output("swift") as console:  # ms-swift's own handler, at its default level (no LOG_LEVEL)
+            sft_main(argv)
     finally:
         gc.collect()  # a patched model holds its function router until collected (conftest explains)
     (run,) = recorder.runs
+    run.console = console.getvalue()
     return run
 
 
@@ -142,7 +154,7 @@ def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     with pytest.MonkeyPatch.context() as monkeypatch:
         for tuner in ("full", "lora"):
             run = swift_sft(tiny, tmp_path_factory.mktemp("baseline"), tuner, patched=False, monkeypatch=monkeypatch)
-            assert run.report is None and len(run.losses) == STEPS
+            assert run.report is None and len(run.losses) == STEPS and "patch-engine" not in run.console
             runs[tuner] = run.losses
     return runs
 
@@ -155,6 +167,8 @@ def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, tuner, mon
     run = swift_sft(tiny, tmp_path, tuner, patched=True, env={"PATCH_ENGINE_VERIFY": "1"}, monkeypatch=monkeypatch)
     assert run.report.patchset == "qwen3" and len(run.report.patched) == PATCHED_MODULES, str(run.report)
     assert run.report.verification.passed and run.report.mode == "training"
+    line = assert_one_line(run.console, verified=True)
+    assert line.startswith("[INFO:swift] patch-engine: patchset 'qwen3' on qwen3 (cpu, training)"), line
     assert_same_losses(run.losses, baseline[tuner])  # LoRA: dropout 0.05 and verification, bit for bit
 
 

@@ -324,16 +324,9 @@ def test_cli_fails_on_a_wrong_declaration_naming_the_module(
     """``--model`` on a from_pretrained folder (the loaded checkpoint, saved), a patchset file with a flipped scale."""
     if real.name != "smollm2":
         pytest.skip("the command line loads its own copy: once, on the smaller checkpoint")
-    from transformers import AutoModelForCausalLM
-
     folder = tmp_path / "smollm2"
-    # A GGUF-loaded model refuses save_pretrained (transformers marks it quantized): the same
-    # weights in a model built from its config save as any checkpoint does.
-    plain = AutoModelForCausalLM.from_config(real.fp32.config, dtype=torch.float32)
-    plain.load_state_dict(real.fp32.state_dict())
-    plain.save_pretrained(folder)
+    real.fp32.save_pretrained(folder)  # load_checkpoint's model saves as any checkpoint (the next test says why)
     real.tokenizer.save_pretrained(folder)
-    del plain
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text((bundled_dir() / "llama.yaml").read_text().replace("scale: weight", "scale: one_plus_weight"))
     code = main(["verify", str(wrong), "--model", str(folder), "--max-tokens", "32", "--mode", "training"])
@@ -344,20 +337,25 @@ def test_cli_fails_on_a_wrong_declaration_naming_the_module(
                      r", cast: llama does not reproduce LlamaRMSNorm\.forward; scale: weight fits", out), out
 
 
-def test_a_real_folder_without_a_tokenizer_loads_with_the_one_loader(real: Loaded, tmp_path: Path) -> None:
-    """``bench --model`` and ``verify --model`` share ``load_checkpoint``; a folder without a tokenizer loads alone."""
+def test_a_gguf_loaded_model_saves_and_a_folder_without_a_tokenizer_loads(real: Loaded, tmp_path: Path) -> None:
+    """The .gguf route to a launcher: ``load_checkpoint(gguf=...)``, ``save_pretrained``, a folder to train from.
+
+    Before, transformers kept its GGUF quantizer on the de-quantized model and ``save_pretrained``
+    refused it ("quantized with gguf and is not serializable"); ``load_checkpoint`` now loads with
+    ``GgufConfig(dequantize=True)`` where transformers has it, a plain model. The saved folder
+    (no tokenizer) goes through the same loader, as ``bench --model`` and ``verify --model`` do.
+    """
     if real.name != "smollm2":
         pytest.skip("saving and loading a copy once, on the smaller checkpoint, shows it")
-    from transformers import AutoModelForCausalLM
+    import json
 
     from engine.commands.checkpoints import load_checkpoint
     from engine.errors import InvalidArgument
 
+    assert getattr(real.fp32, "hf_quantizer", None) is None and not getattr(real.fp32, "is_quantized", False)
     folder = tmp_path / "smollm2"
-    plain = AutoModelForCausalLM.from_config(real.fp32.config, dtype=torch.float32)  # a GGUF model refuses to save
-    plain.load_state_dict(real.fp32.state_dict())
-    plain.save_pretrained(folder)  # no tokenizer
-    del plain
+    real.fp32.save_pretrained(folder)  # no tokenizer
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     with pytest.raises(InvalidArgument, match="no tokenizer in this checkpoint"):
         load_checkpoint(folder)
     loaded, tokenizer = load_checkpoint(folder, tokenizer=False)

@@ -48,7 +48,7 @@ def reference(tmp_path_factory) -> list[float]:
 
 
 @pytest.mark.parametrize("how", ["callback", "helper"])
-def test_trainer_with_a_patchset_trains_like_without(how: str, reference: list[float], tmp_path) -> None:
+def test_trainer_with_a_patchset_trains_like_without(how: str, reference: list[float], tmp_path, capsys) -> None:
     calls: list[int] = []
 
     def counting(q, k, cos, sin, unsqueeze_dim=1):
@@ -73,6 +73,13 @@ def test_trainer_with_a_patchset_trains_like_without(how: str, reference: list[f
             engine.revert(model)
     assert len(calls) == STEPS * 2  # each step's forward, in both attention layers
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= TOL, (losses, reference)
+    if how == "callback":  # what the Trainer prints (its loss dicts, disable_tqdm=True) and, once, the one line
+        out = capsys.readouterr().out
+        lines = [line for line in out.splitlines() if line.startswith("patch-engine: ")]
+        assert lines == [("patch-engine: patchset 'qwen3' on qwen3 (cpu, training): 12 patched, 0 skipped; kernels "
+                          "rms_norm: torch x9, swiglu: torch x2, rope: trainer_counting x1; not verified (turn "
+                          "verification on to check the numbers before training)")], out
+        assert "{'loss':" in out and "patch-engine report:" not in out, out
 
 
 def test_callback_can_revert_when_training_ends(tmp_path) -> None:
@@ -83,3 +90,16 @@ def test_callback_can_revert_when_training_ends(tmp_path) -> None:
     trainer.train()
     assert not engine.is_patched(model)
     assert "forward" not in model.model.norm.__dict__
+
+
+def test_only_the_main_process_shows_the_line(monkeypatch) -> None:
+    """Every rank patches its own model; only rank 0 says so (``$RANK`` as torchrun sets it, no process group here)."""
+    from engine.integrations.announce import announce
+    from engine.planning.report import Report
+
+    report = Report.from_plan(engine.plan(tiny_for("qwen3"), qwen3_patchset(), device="cpu", mode="training"))
+    for rank, expected in (("1", []), ("0", [report.summary_line()])):
+        monkeypatch.setenv("RANK", rank)
+        shown: list[str] = []
+        announce(report, line=shown.append, detail=lambda text: None)
+        assert shown == expected, rank

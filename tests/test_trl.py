@@ -89,7 +89,7 @@ def _losses(trainer) -> list[float]:
 
 
 @pytest.mark.parametrize("mode,how", [("packing", "apply"), ("completion_only", "callback"), ("lora", "callback")])
-def test_sft_with_the_layer_patches_trains_like_without(mode: str, how: str, tmp_path) -> None:
+def test_sft_with_the_layer_patches_trains_like_without(mode: str, how: str, tmp_path, capsys) -> None:
     """Norm, MLP and rope patches under SFTTrainer: the logged losses of the unpatched run, and the kernels ran."""
     reference = _losses(_trainer(tiny_for("qwen3"), tmp_path / "ref", mode))
     calls: list[int] = []
@@ -116,6 +116,11 @@ def test_sft_with_the_layer_patches_trains_like_without(mode: str, how: str, tmp
     assert len(calls) >= STEPS * 2  # each step's forward ran the patched rope in both attention layers
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= TOL, (losses, reference)
     assert len(set(reference)) > 1  # the run trained
+    if how == "callback":  # TRL's default output (its printed logs) shows the callback's one line, once
+        out = capsys.readouterr().out
+        assert [line for line in out.splitlines() if line.startswith("patch-engine: patchset 'qwen3' on qwen3 "
+                                                                     "(cpu, training): 12 patched, 0 skipped")], out
+        assert sum(line.startswith("patch-engine: ") for line in out.splitlines()) == 1, out
 
 
 def _expected_refusal() -> str:

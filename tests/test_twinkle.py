@@ -29,7 +29,17 @@ from engine.errors import PatchsetError, TrainerConflict, VerificationFailed
 
 pytest.importorskip("twinkle", reason="twinkle is not installed here; .ci/twinkle runs this file in its own venv "
                     "(twinkle-kit==0.5.1 pins peft<=0.19, numpy<2.3)")
-from stack_helpers import LORA_DROPOUT, PATCHED_MODULES, STEPS, alpaca_rows, assert_same_losses, write_tiny, wrong_norms
+from stack_helpers import (
+    LORA_DROPOUT,
+    PATCHED_MODULES,
+    STEPS,
+    alpaca_rows,
+    assert_one_line,
+    assert_same_losses,
+    launcher_output,
+    write_tiny,
+    wrong_norms,
+)
 
 import engine
 from engine.integrations.twinkle import PatchsetPatch, kernel_mapping
@@ -113,9 +123,12 @@ def test_apply_patch_losses_equal_unpatched(tiny, baseline, kind) -> None:
     """``model.apply_patch(PatchsetPatch("qwen3", verify=True))``: after the adapter for LoRA (dropout 0.05)."""
     model = build(tiny, lora=kind == "lora")
     patch = PatchsetPatch("qwen3", verify=True)
-    model.apply_patch(patch)
+    with launcher_output("twinkle") as console:  # twinkle's own handler, at its default level (no LOG_LEVEL)
+        model.apply_patch(patch)
     assert len(patch.report.patched) == PATCHED_MODULES and patch.report.mode == "training"
     assert patch.report.verification.passed
+    line = assert_one_line(console.getvalue(), verified=True)
+    assert "[INFO:twinkle] patch-engine: patchset 'qwen3' on qwen3 (cpu, training)" in line, line  # after its time
     assert_same_losses(train(model, tiny), baseline[kind])
 
 

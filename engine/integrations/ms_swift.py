@@ -25,6 +25,10 @@ the callback patches the trainer's model at ``on_init_end``: after ms-swift's Lo
 before ``train()`` wraps the model and before step 1, so a refusal stops the run before any step. The
 settings are read (and the patchset loaded) when the plugin file is imported, so a misspelt
 name stops ``swift sft`` at argument parsing, before the model loads.
+
+What ``swift sft`` shows: the report's one line at INFO through ms-swift's own logger
+(``swift.utils.get_logger()``: ``[INFO:swift] patch-engine: ...`` on stderr, ms-swift's default level,
+local rank 0 only), the full report at DEBUG (``LOG_LEVEL=DEBUG``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidArgument, MissingDependency
+from engine.errors import InvalidArgument
+from engine.integrations.announce import announce
+from engine.integrations.stack_import import import_stack_module
 from engine.integrations.transformers import PatchsetCallback
 
 __all__ = ["CALLBACK_NAME", "Settings", "SwiftPatchsetCallback", "plugin_path", "register"]
@@ -111,6 +117,17 @@ class SwiftPatchsetCallback(PatchsetCallback):
             self.patchset = _model_type(model)
         super()._apply(args, model)
 
+    def _announce(self, report: Any) -> None:
+        """Through ms-swift's logger: the line at INFO (its default level), the report at DEBUG."""
+        logger = _swift("swift.utils").get_logger()
+        announce(report, line=logger.info, detail=logger.debug)
+
+
+def _swift(module: str) -> Any:
+    """Import an ms-swift module, or say what to install (or, installed, what failed to import)."""
+    return import_stack_module(module, who=f"--callbacks {CALLBACK_NAME} (an ms-swift plugin)",
+                               needs="ms-swift", install="pip install ms-swift (4.6.0 tested)")
+
 
 def _model_type(model: Any) -> str:
     from engine.runtime.wrappers import unwrap
@@ -128,11 +145,7 @@ def register(settings: Settings | None = None) -> None:
     Args:
         settings: the patchset and options; ``None`` reads ``PATCH_ENGINE_*`` from the environment.
     """
-    try:
-        from swift.callbacks import callbacks_map
-    except ImportError as exc:
-        raise MissingDependency(f"--callbacks {CALLBACK_NAME} is an ms-swift plugin and needs ms-swift: "
-                                f"pip install ms-swift (4.6.0 tested) ({type(exc).__name__}: {exc})") from exc
+    callbacks_map = _swift("swift.callbacks").callbacks_map
     SwiftPatchsetCallback.settings = Settings.from_env() if settings is None else settings
     callbacks_map[CALLBACK_NAME] = SwiftPatchsetCallback
 

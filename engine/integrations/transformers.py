@@ -24,10 +24,19 @@ eval mode).
 Under a TRL trainer (``SFTTrainer`` and the others, whose ``args`` is TRL's config), the fused
 head is refused at ``on_init_end``, before anything is patched: TRL computes the head itself or
 reads the logits (see :mod:`engine.ops.trl_head`); the other patches apply as usual.
+
+What the user sees: the report's one line (:meth:`Report.summary_line`) is *printed* on the main
+process when the model is patched. Why print: what a ``Trainer`` shows without any logging setup is
+its progress bar and the logs it prints (``ProgressCallback``/``PrinterCallback`` write the loss
+dicts to stdout); transformers' own logger stops at WARNING by default, and the patch is not a
+warning. The full report goes to the logger ``transformers.patch_engine`` at INFO, under
+transformers' root logger, so ``TrainingArguments(log_level="info")`` (or
+``transformers.logging.set_verbosity_info()``) shows it; LlamaFactory sets that level itself.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -35,12 +44,16 @@ from transformers import TrainerCallback
 
 from engine.api import apply, is_patched, plan, revert
 from engine.errors import TrainerConflict
+from engine.integrations.announce import announce
 from engine.ops.trl_head import trl_trainer_conflict
 from engine.planning.report import Report
 from engine.runtime.wrappers import unwrap
 from engine.schema import Patchset
 
 __all__ = ["PatchsetCallback", "patch_for_training"]
+
+#: Under transformers' root logger: its verbosity (``log_level="info"``) shows the full report.
+LOG = logging.getLogger("transformers.patch_engine")
 
 
 def patch_for_training(model: nn.Module, patchset: Patchset | str | dict[str, Any], **apply_kwargs: Any) -> nn.Module:
@@ -94,8 +107,15 @@ class PatchsetCallback(TrainerCallback):
             return
         device = getattr(getattr(args, "device", None), "type", None)
         self._refuse_fused_head_under_trl(args, model, device)
+        before = self.report
         self.report = apply(model, self.patchset, device=device, mode="training", verify=self.verify,
                             fused_cross_entropy=self.fused_cross_entropy, unverified_release=self.unverified_release)
+        if self.report is not before:  # a repeat that changed nothing (on_train_begin) returns the same report
+            self._announce(self.report)
+
+    def _announce(self, report: Report) -> None:
+        """The one line printed (what a Trainer user sees by default: see the module docstring), the report at INFO."""
+        announce(report, line=lambda text: print(text, flush=True), detail=LOG.info)
 
     def _refuse_fused_head_under_trl(self, args: Any, model: nn.Module, device: str | None) -> None:
         """Refuse, before patching anything, a fused head under a TRL trainer (see :mod:`engine.ops.trl_head`)."""

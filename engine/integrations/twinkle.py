@@ -25,6 +25,10 @@ Why the fused head is refused: twinkle's ``TransformersModel.forward`` takes the
 the batch and computes log-probabilities from ``outputs['logits']`` itself; it fuses the head
 with Liger through its own ``task='fused_lm_ce'``. The engine's fused head would never see
 labels, so ``fused_cross_entropy=True`` is refused and patchsets are applied without it.
+
+What a twinkle run shows: the report's one line at INFO through twinkle's own logger
+(``twinkle.get_logger()``: ``[INFO:twinkle] patch-engine: ...`` on stderr, its default level, local
+rank 0 only), the full report at DEBUG (``LOG_LEVEL=DEBUG``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidArgument, TrainerConflict
+from engine.integrations.announce import announce
 from engine.integrations.stack_import import import_stack_module
 
 __all__ = ["PLUGIN_NAME", "kernel_mapping"]  # and PatchsetPatch, built on first use (see __getattr__)
@@ -44,8 +49,8 @@ _classes: dict[str, type] = {}
 
 
 def _twinkle(module: str) -> Any:
-    """Import a twinkle module, or say what to install."""
-    return import_stack_module(module, needs="engine.integrations.twinkle needs twinkle (the twinkle-kit package)",
+    """Import a twinkle module, or say what to install (or, installed, what failed to import)."""
+    return import_stack_module(module, who="engine.integrations.twinkle", needs="twinkle (the twinkle-kit package)",
                                install=INSTALL)
 
 
@@ -125,8 +130,12 @@ class _PatchsetPatchMixin:
         if kwargs or args:
             raise InvalidArgument(f"PatchsetPatch: unknown arguments {list(args)} {sorted(kwargs)}; "
                                   "it takes patchset, verify, mode, fused_cross_entropy, unverified_release")
+        before = self.report
         self.report = apply(module, patchset or _model_type_patchset(module), mode=mode, verify=verify,
                             fused_cross_entropy=False, unverified_release=release)
+        if self.report is not before:  # applying again with nothing to change says nothing
+            logger = _twinkle("twinkle.utils.logger").get_logger()
+            announce(self.report, line=logger.info, detail=logger.debug)
         return self.report
 
     def unpatch(self, module: Any, *args: Any, **kwargs: Any) -> None:

@@ -27,6 +27,11 @@ Usage::
 
 (``llamafactory-cli train`` starts ``torchrun`` itself on a multi-GPU machine with its own
 script, which would drop the callback; start ``torchrun`` on this file instead.)
+
+What the run shows: when the trainer is built, the callback prints the report's one line
+(``patch-engine: patchset 'qwen3' on qwen3 (cpu, training): 12 patched, ...``) on the main process,
+and logs the full report at INFO under transformers' logger, which LlamaFactory shows by default
+(it sets transformers' verbosity to INFO unless ``LLAMAFACTORY_VERBOSITY`` is WARN or above).
 """
 
 from __future__ import annotations
@@ -84,10 +89,7 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[Any] = ()) -> li
     ours = patchset_callbacks(config)
     from llamafactory.train.tuner import run_exp
 
-    run_exp(args=config, callbacks=[*ours, *callbacks])
-    for callback in ours:
-        if callback.report is not None:
-            print(callback.report)
+    run_exp(args=config, callbacks=[*ours, *callbacks])  # the callback prints its one line when it patches
     return ours
 
 
