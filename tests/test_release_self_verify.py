@@ -370,3 +370,18 @@ def test_trainer_callback_takes_the_setting(tmp_path: Path) -> None:
     with pytest.raises(engine.VersionMismatch):
         callback.on_init_end(None, None, None, model=model)
     assert not engine.is_patched(model)
+
+
+def test_self_verification_compiles_only_what_this_model_would_run(tmp_path: Path, monkeypatch) -> None:
+    """An fp32 training model never runs the compiled code (engine/_data/compiled_rows.yaml): verifying it on an
+    unverified release must not compile the bf16 inference code verification would otherwise force (seconds each)."""
+    from engine.kernels import compiled
+
+    if compiled.find_cxx() is None:
+        pytest.skip("no C++ compiler: compiled kernels are passed over anyway")
+    monkeypatch.setenv(compiled.ENV_SWITCH, "1")
+    compiled.clear_cache()
+    model = _tiny_qwen3()
+    report, _ = _apply(model, _written(tmp_path, _qwen3()))
+    assert report.release.passed and {d.kernel for d in report.decisions if d.op == "rms_norm"} == {"compiled"}
+    assert not [key for key, kernel in compiled.kernels().items() if kernel.functions]  # nothing compiled

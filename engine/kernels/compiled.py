@@ -45,12 +45,24 @@ from typing import Any
 import torch
 
 from engine.errors import MissingDependency
+from engine.kernels.compiled_rule import RULE_FILE, only_where, rule, rule_text
 from engine.kernels.registry import KernelProvider, register
 from engine.runtime.control_flow import not_a_failure
 from engine.schema import Device
 
-__all__ = ["COMPILED_OPS", "ENV_SWITCH", "CompilerRequirement", "clear_cache", "compiled_from", "compiled_kernel",
-           "find_cxx", "rule", "rule_text"]
+__all__ = [
+    "COMPILED_OPS",
+    "ENV_SWITCH",
+    "RULE_FILE",
+    "CompilerRequirement",
+    "clear_cache",
+    "compiled_from",
+    "compiled_kernel",
+    "find_cxx",
+    "only_where",
+    "rule",
+    "rule_text",
+]
 
 #: Set to ``0`` to disable compiled kernels (``auto`` then picks ``torch``, bit-exact with transformers).
 ENV_SWITCH = "PATCH_ENGINE_COMPILE"
@@ -86,44 +98,10 @@ class CompilerRequirement:
             )
 
 
-#: Where compiling pays, per op: ``{(dtype, training): the fewest rows compiled, or None: never}``.
-#: Rows are the tokens (times heads for a per-head norm): the input's elements over its last
-#: dimension. Below the count, or where it is ``None``, the call runs the op's torch reference
-#: eagerly, which is what the unpatched model computes. Why: a compiled call pays a fixed cost
-#: (dynamo's guards, the AOT wrapper, under autograd its autograd.Function, inductor's OpenMP
-#: region) that only enough rows hide, and on a CPU shared with other work the OpenMP region
-#: stalls; where the compiled kernel does not win by a margin, ``auto`` must not cost time.
-#: Data: ``engine/_data/compiled_rows.yaml``, measured by benchmarks/compiled_shapes.py and
-#: checked on real checkpoints by ``patch-engine bench --checkpoint`` (docs/performance.md).
-RULE_FILE = "compiled_rows.yaml"
 
 #: When not None, every call of at least this many rows runs compiled, whatever the rule says
 #: (:func:`compiled_from`: tests of the compiled code, and benchmarks that measure it).
 FORCED_ROWS: int | None = None
-
-
-@functools.lru_cache(maxsize=1)
-def rule() -> dict[str, dict[tuple[torch.dtype, bool], int | None]]:
-    """The measured rule (:data:`RULE_FILE`): op -> (dtype, training) -> the fewest rows compiled."""
-    from importlib import resources
-
-    import yaml
-
-    data = yaml.safe_load(resources.files("engine").joinpath("_data", RULE_FILE).read_text(encoding="utf-8"))
-    out: dict[str, dict[tuple[torch.dtype, bool], int | None]] = {}
-    for op, by_dtype in data["ops"].items():
-        out[op] = {(getattr(torch, dtype), mode == "training"): rows
-                   for dtype, by_mode in by_dtype.items() for mode, rows in by_mode.items()}
-    return out
-
-
-def rule_text(op: str) -> str:
-    """The rule for ``op`` in words, for the plan's reason (what ``auto`` picked, and where)."""
-    where = [f"{str(dtype).removeprefix('torch.')} {'training' if training else 'inference'} from {rows} rows"
-             for (dtype, training), rows in rule().get(op, {}).items() if rows is not None]
-    return ("compiled (inductor) where measured faster: " + ", ".join(where) if where
-            else "compiled nowhere (not measured faster at any size)") + \
-        "; the torch reference eagerly elsewhere (engine/_data/compiled_rows.yaml)"
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.errors import VersionMismatch
+from engine.kernels import compiled
 from engine.kernels.triton_interpret import is_interpreting
 from engine.patching.patcher import apply, revert
 from engine.planning.decisions import Plan
@@ -96,11 +97,13 @@ def verify_on_this_release(model: nn.Module, plan: Plan, dtype: torch.dtype) -> 
             tiny = build_tiny_for(patchset, dtype=dtype).to(_tiny_device(model, plan))
             label = f"tiny {tiny.config.model_type} ({type(tiny).__name__})"
             tiny.train(plan.mode == "training")
-            apply(tiny, patchset, device=plan.device, mode=plan.mode, unverified_release="trust")
-            try:
-                report = verify(tiny, raise_on_failure=False)
-            finally:
-                revert(tiny)
+            # compiled code only where this model would run it (an fp32 training model: nowhere)
+            with compiled.only_where(dtype, plan.mode == "training"):
+                apply(tiny, patchset, device=plan.device, mode=plan.mode, unverified_release="trust")
+                try:
+                    report = verify(tiny, raise_on_failure=False)
+                finally:
+                    revert(tiny)
     except (VersionMismatch, *not_a_failure()):  # unbuildable here: that refusal says it all; out of memory
         raise
     except Exception as exc:  # noqa: BLE001  (whatever stops the tiny model is the finding: nothing vouches for the release)
