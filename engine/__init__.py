@@ -48,6 +48,7 @@ _install_moved_paths()  # each module path from before the layer packages import
 
 if TYPE_CHECKING:
     from engine.api import apply, is_patched, plan, revert, verify
+    from engine.auditing import AuditReport, audit
     from engine.loader import load_patchset
     from engine.planning.planner import Plan
     from engine.planning.report import Report
@@ -72,13 +73,16 @@ _LAZY: dict[str, str] = {
     "VerifyReport": "engine.verification",
     "torch_path": "engine.runtime.hub_functions",
     "scaffold": "engine.scaffolding",
+    "audit": "engine.auditing",
+    "AuditReport": "engine.auditing",
 }
 
 __all__ = [
     "AlreadyPatched",
+    "AuditReport",
     "BackwardUnsupported",
-    "DeviceNotAvailable",
     "DTensorUnsupported",
+    "DeviceNotAvailable",
     "DeviceUnsupported",
     "ForwardWrapped",
     "InvalidArgument",
@@ -101,6 +105,7 @@ __all__ = [
     "VerifyReport",
     "VersionMismatch",
     "apply",
+    "audit",
     "is_patched",
     "load_patchset",
     "plan",

@@ -77,6 +77,9 @@ LAYERS: tuple[Layer, ...] = (
     Layer("scaffolding", ("engine.scaffolding", "engine.scaffolding.*"), False,
           "the scaffold: every declaration measured on a tiny model, written as a patchset (its capture, its "
           "model from a checkpoint folder)"),
+    Layer("auditing", ("engine.auditing", "engine.auditing.*"), False,
+          "the verifier on someone else's patch: the original measured before the patch, what the patch changed in "
+          "the model and the process (restored after), each change judged and explained, the stacks' adapters"),
     Layer("commands", ("engine.commands", "engine.commands.*", "engine.__main__"), False,
           "the command line and each command: benchmarks (a real checkpoint too, and their shared results file), "
           "demo, coverage, the version matrix, verification on a user's checkpoint"),

@@ -1,4 +1,4 @@
-"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, scaffold, coverage, demo, kernels, bench.
+"""``patch-engine`` (also ``python -m engine``): validate, schema, plan, verify, scaffold, audit, coverage, demo, kernels, bench.
 
 Exit codes: 0 ok, 1 a check failed (invalid patchset, plan refused, verification
 failed), 2 usage error (bad arguments: unknown option, device or model type, or a
@@ -290,6 +290,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the patchset here (default: stdout)")
     p.add_argument("--config", help='JSON of tiny-config keys to override, e.g. \'{"head_dim": 16}\'')
     p.set_defaults(func=_cmd_scaffold)
+
+    from engine.commands.audit import add_parser as add_audit
+
+    add_audit(sub)
 
     p = sub.add_parser("coverage", help="per model_type: bundled patchset, verifies, share of parameters patched")
     p.add_argument("model_types", nargs="*", help="only these types (default: every type transformers knows)")

@@ -1,4 +1,9 @@
-"""An emulator of the ``torch_npu`` ops the ``npu`` provider calls, for CPU tests.
+"""An emulator of the ``torch_npu`` ops the ``npu`` provider (and the stacks an audit runs) call, on the CPU.
+
+Why in the package and not only in the tests: ``patch-engine audit --with twinkle`` (or
+``llamafactory-v1``) runs those stacks' NPU kernels on a machine without an NPU, the way
+``verify --interpret`` runs Triton kernels, and the report says so. An op it does not emulate
+raises ``AttributeError`` naming it (the audit reports the kernel as unchecked, never as passed).
 
 Written from the vendor's documented contracts (``torch_npu/_op_plugin_docs.py``), not from
 our provider, so that a wrong argument mapping in the provider shows up as wrong numbers:
@@ -32,18 +37,26 @@ reduced dimension kept. The emulator also enforces the documented input constrai
 relies on (``gamma`` in ``x``'s dtype, 4-D rotary inputs with an even last dimension), so a
 provider that violates them fails here as it would on the device.
 
-Install with ``monkeypatch.setitem(sys.modules, "torch_npu", make_torch_npu())``.
+Install with ``monkeypatch.setitem(sys.modules, "torch_npu", make_torch_npu())`` (the tests), or
+:func:`emulated_torch_npu` (a context manager, for an audit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
+import sys
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["make_torch_npu"]
+__all__ = ["EMULATED", "emulated_torch_npu", "make_torch_npu"]
+
+#: The ops emulated, by their documented names.
+EMULATED = ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_moe_token_permute", "npu_moe_token_unpermute",
+            "npu_grouped_matmul", "npu_geglu")
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,10 +171,37 @@ def make_torch_npu() -> types.ModuleType:
     module.npu_grouped_matmul = npu_grouped_matmul  # type: ignore[attr-defined]
     module.npu_geglu = npu_geglu  # type: ignore[attr-defined]
     module.calls = []  # type: ignore[attr-defined]
-    for name in ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_moe_token_permute", "npu_moe_token_unpermute",
-                 "npu_grouped_matmul", "npu_geglu"):
+    for name in EMULATED:
         setattr(module, name, _counted(module, getattr(module, name)))
+    module.__getattr__ = _not_emulated  # type: ignore[attr-defined]
     return module
+
+
+def _not_emulated(name: str) -> object:
+    """What an op nobody emulates answers: an AttributeError that says so (PEP 562's module ``__getattr__``)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(f"torch_npu.{name} is not emulated on this machine (the emulator implements "
+                         f"{', '.join(EMULATED)} from their documented contracts)")
+
+
+@contextlib.contextmanager
+def emulated_torch_npu() -> Iterator[types.ModuleType]:
+    """``import torch_npu`` answers the emulator inside the block; the module table is put back after.
+
+    Code imported inside the block keeps its reference to the emulator (a stack's kernel module
+    binds ``torch_npu`` at import), so its kernels still reach it when they run later.
+    """
+    module = make_torch_npu()
+    before = sys.modules.get("torch_npu")
+    sys.modules["torch_npu"] = module
+    try:
+        yield module
+    finally:
+        if before is None:
+            sys.modules.pop("torch_npu", None)
+        else:
+            sys.modules["torch_npu"] = before
 
 
 def _counted(module: types.ModuleType, fn):  # type: ignore[no-untyped-def]

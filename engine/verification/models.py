@@ -40,7 +40,10 @@ from engine.verification.truth import GradientSink, fp64_truth
 from engine.verification.truth_layers import recomputed_layers
 from engine.verification.verdicts import Grads, Seen, grads_check, loss_noise, value_check
 
-__all__ = ["Alongside", "Offload", "compare_models", "hold", "holding_device", "seeded", "surrogate_loss"]
+__all__ = [
+    "Alongside", "Offload", "compare_models", "hold", "holding_device", "judging_gradients", "run", "seeded",
+    "surrogate_loss", "taking_gradients", "truth_run",
+]
 
 _SEED = 0x5EED
 
@@ -366,13 +369,14 @@ def _no_checkpointing(model: nn.Module) -> Iterator[None]:
 
 def _truth_run(
     original: nn.Module, batch: dict[str, torch.Tensor], head: str, grads: Grads, held: torch.device,
-    judge_values: Callable[[dict[str, Any]], None],
+    judge_values: Callable[[dict[str, Any]], None], *, keep: bool = False,
 ) -> list[str]:
     """The original in fp64; each parameter's fp64 gradient is measured against the original's as it arrives.
 
     ``judge_values(truth)`` judges the logits and loss right after the forward, so neither the
     held logits nor the fp64 ones wait through the backward. Returns the calls the truth could
-    not widen (it rounded there).
+    not widen (it rounded there). ``keep``: the original's gradients stay in ``grads`` once
+    measured (an audit runs the truth before the patched model exists), else each is dropped.
     """
 
     def part(name: str, rows: slice | torch.Tensor, exact: torch.Tensor) -> None:
@@ -389,7 +393,8 @@ def _truth_run(
         grads.noise[name] = noise if seen is None else (_worst(seen[0], noise[0]), max(seen[1], noise[1]))
 
     def done(name: str) -> None:
-        grads.original.pop(name, None)
+        if not keep:
+            grads.original.pop(name, None)
 
     def arrived(name: str, exact: torch.Tensor) -> None:
         part(name, slice(None), exact)
@@ -410,6 +415,11 @@ def _truth_run(
     # A call the mode could not widen leaves the truth rounded there, like the original: the
     # original's error looks smaller, so the judge is stricter, never laxer. Named, not hidden.
     return sorted(truth.mode.rounded)
+
+
+#: The runs in the order an audit needs them (the original and its truth before a foreign patch
+#: exists, then the patched model): :mod:`engine.auditing.whole_model`.
+run, taking_gradients, judging_gradients, truth_run = _run, _taking_gradients, _judge_gradients, _truth_run
 
 
 def _worst(a: float, b: float) -> float:

@@ -1,0 +1,209 @@
+"""An audit's findings: one row per change a patch made, the whole-model checks, and a verdict.
+
+Pure data and formatting. The verdicts, strongest first:
+
+* ``error``: the patch itself raised (the stack's error, quoted); nothing was judged;
+* ``unchanged``: the patch changed nothing this model runs (a process-wide change it cannot reach, such as
+  another family's function, is listed and put back, not judged): nothing is reported as passing;
+* ``differs``: a module, function or whole-model value is beyond the original's own rounding
+  error, or computes another declaration than the original (named);
+* ``unchecked``: something the patch changed could not be run (a kernel that needs a device or an
+  op nothing here emulates), and nothing differs;
+* ``passes``: everything the patch changed computes the original's numbers (bit-equal, or
+  within ``k`` times the original's own rounding error, as ``verify`` judges them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.planning.report import format_table
+from engine.verification.results import Check
+
+__all__ = ["AuditReport", "Row"]
+
+_ORDER = ("error", "differs", "unchecked", "passes", "unchanged")
+
+
+@dataclass
+class Row:
+    """One change and what it computes.
+
+    ``result``: ``same`` (bit-equal), ``passes``, ``differs``, ``unchecked``, ``whole model`` (judged
+    only by the whole-model checks) or ``not in this model`` (a process-wide change this model
+    does not reach). ``ratio``: its largest difference over the original's own error vs fp64.
+    """
+
+    path: str
+    cls: str
+    change: str
+    detail: str
+    result: str
+    max_abs: float | None = None
+    ratio: float | None = None
+    note: str = ""
+    explanation: str = ""
+
+
+@dataclass
+class AuditReport:
+    """Everything one audit found about one patch on one model."""
+
+    patch: str
+    model: str
+    model_type: str
+    dtype: str
+    environment: list[str] = field(default_factory=list)
+    error: str | None = None
+    rows: list[Row] = field(default_factory=list)
+    model_checks: list[Check] = field(default_factory=list)
+    model_ratios: dict[str, float] = field(default_factory=dict)
+    model_problem: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def judged(self) -> list[Row]:
+        return [r for r in self.rows if r.result in ("same", "passes", "differs", "unchecked")]
+
+    @property
+    def verdict(self) -> str:
+        if self.error is not None:
+            return "error"
+        if all(r.result == "not in this model" for r in self.rows):  # nothing this model runs was changed
+            return "unchanged"
+        if any(r.result == "differs" for r in self.rows) or any(not c.passed for c in self.model_checks):
+            return "differs"
+        if self.model_problem is not None or any(r.result == "unchecked" for r in self.rows):
+            return "unchecked"
+        return "passes"
+
+    @property
+    def worst_ratio(self) -> float | None:
+        """The largest difference anywhere over the original's own error there (None: nothing was compared)."""
+        values = [r.ratio for r in self.rows if r.ratio is not None] + list(self.model_ratios.values())
+        return max(values) if values else None
+
+    @property
+    def worst_difference(self) -> float | None:
+        """The largest ratio among what differs (rows and failed whole-model checks); else :attr:`worst_ratio`.
+
+        Why apart: a whole-model value can pass its own rule (a bf16 loss, judged by its tokens' noise)
+        at a ratio above a module's that differs by declaration; a picture of what differs shows the latter.
+        """
+        if self.verdict != "differs":
+            return self.worst_ratio
+        values = [r.ratio for r in self.rows if r.result == "differs" and r.ratio is not None]
+        values += [self.model_ratios.get(c.what.split(" ")[0], float("inf")) for c in self.model_checks if not c.passed]
+        return max(values) if values else None
+
+    def summary(self) -> str:
+        """One line: the verdict and its reason."""
+        head = f"{self.patch} on {self.model_type} ({self.dtype}): {self.verdict}"
+        if self.verdict == "error":
+            return f"{head}: the patch raised {self.error}"
+        if self.verdict == "unchanged":
+            elsewhere = f" ({len(self.rows)} process-wide changes this model does not reach)" if self.rows else ""
+            return f"{head}: the patch changed nothing this model runs{elsewhere}, so nothing was judged"
+        bad = [r for r in self.rows if r.result in ("differs", "unchecked")]
+        failed = [c for c in self.model_checks if not c.passed]
+        parts = [f"{r.cls} {r.result}" + (f": {r.explanation}" if r.explanation else "") for r in _grouped(bad)]
+        parts += [f"{c.what} differs" for c in failed]
+        if self.model_problem:
+            parts.append(f"whole model unchecked: {self.model_problem}")
+        worst = self.worst_difference
+        tail = f" (worst {_ratio(worst)} the original's own error)" if worst else ""
+        return head + (": " + "; ".join(parts) if parts else "") + tail
+
+    def table(self, *, detail: bool = False) -> str:
+        rows = self.rows if detail else _grouped(self.rows)
+        lines = [(r.path or "<model>", r.cls, _change(r), r.result, _num(r.max_abs), _ratio(r.ratio),
+                  r.explanation or r.note or (r.detail if r.change == "process-wide" else "")) for r in rows]
+        lines += [(c.path, c.cls, "-", "same" if c.passed and c.max_abs == 0 else ("passes" if c.passed else "differs"),
+                   _num(c.max_abs), _ratio(self.model_ratios.get(c.what.split(" ")[0])), f"{c.what}: {c.note}".strip(": "))
+                  for c in self.model_checks]
+        if self.model_problem:
+            lines.append(("<model>", self.model, "-", "unchecked", "-", "-", self.model_problem))
+        return format_table(("module", "class", "what changed", "result", "max abs", "x own error",
+                             "what it computes / note"), lines)
+
+    def __str__(self) -> str:
+        out = [self.summary()]
+        out += [f"  {e}" for e in self.environment]
+        if self.verdict not in ("error", "unchanged"):
+            out += ["", self.table()]
+        if self.seconds:
+            out.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "patch": self.patch, "model": self.model, "model_type": self.model_type, "dtype": self.dtype,
+            "verdict": self.verdict, "summary": self.summary(), "environment": self.environment, "error": self.error,
+            "worst_ratio": _finite(self.worst_ratio), "rows": [_clean(asdict(r)) for r in self.rows],
+            "model_checks": [_clean(asdict(c)) for c in self.model_checks], "model_problem": self.model_problem,
+            "seconds": self.seconds,
+        }
+
+
+def worst_verdict(verdicts: list[str]) -> str:
+    return min(verdicts, key=_ORDER.index) if verdicts else "unchanged"
+
+
+def _grouped(rows: list[Row]) -> list[Row]:
+    """Rows of one class, change, result and explanation as one (the worst numbers, the first path and a count)."""
+    groups: dict[tuple[str, str, str, str, str], list[Row]] = {}
+    elsewhere = [r for r in rows if r.result == "not in this model"]
+    rows = [r for r in rows if r.result != "not in this model"]
+    for r in rows:
+        groups.setdefault((r.cls, r.change, r.result, r.explanation, r.detail if r.cls in ("-", "function") else ""),
+                          []).append(r)
+    out = []
+    for members in groups.values():
+        first = members[0]
+        path = first.path if len(members) == 1 else f"{first.path} and {len(members) - 1} more"
+        out.append(Row(path, first.cls, first.change, first.detail, first.result,
+                       _max([r.max_abs for r in members]), _max([r.ratio for r in members]), first.note,
+                       first.explanation))
+    if elsewhere:
+        out.append(Row(f"{len(elsewhere)} process-wide change{'s' if len(elsewhere) > 1 else ''}", "-", "process-wide",
+                       "", "not in this model", note="other families' classes and functions, class names for models "
+                       "built later (--detail lists each); all put back after the audit"))
+    return out
+
+
+def _change(row: Row) -> str:
+    """``forward replaced: LigerRMSNorm.forward``: the kind of change and, shortened, what was put there."""
+    if row.change == "process-wide":
+        return "process-wide"
+    if row.change.startswith("module "):
+        return row.change
+    parts = row.detail.split(" -> ")[-1].split(".") if row.detail else []
+    short = ".".join(parts[-2:] if len(parts) > 1 and not parts[-2].islower() else parts[-1:])
+    return f"{row.change}: {short}" if short else row.change
+
+
+def _max(values: list[float | None]) -> float | None:
+    found = [v for v in values if v is not None]
+    return max(found) if found else None
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else ("inf" if math.isinf(x) else f"{x:.1e}")
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else f"{x:.2g}x"
+
+
+def _finite(x: float | None) -> float | str | None:
+    return "inf" if x is not None and math.isinf(x) else x
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _finite(v) if isinstance(v, float) else v for k, v in d.items()}

@@ -1,0 +1,189 @@
+"""``audit``: judge someone else's patch of a model with the verifier, against an original measured first.
+
+The order is the point (docs/audit.md, "Why the original cannot be contaminated"):
+
+1. **the original, before any patch exists**: one training step of the unpatched model (logits,
+   loss, every gradient), during which every module and every module-level function the
+   forwards call records its inputs; then each record's output and its fp64 truth, and the
+   whole model's fp64 truth (:mod:`engine.auditing.recording`, :mod:`engine.auditing.whole_model`);
+2. **each patch, on a copy**: the process's watched names are recorded
+   (:class:`engine.auditing.process_state.ProcessState`), the model is deep-copied and the patch
+   runs on the copy; a patch that raises is reported as the stack's error;
+3. **what changed** (:func:`engine.auditing.changes.find_changes`) is judged: each changed module
+   and function on its recorded inputs, the whole copy by the same logits, loss and gradient
+   checks as ``verify``; what differs is explained by the closest declaration we know;
+4. **everything put back**: the copy is dropped (the model was never patched) and every watched
+   name the patch rebound is restored, also when judging fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.auditing.adapters import Adapter, resolve
+from engine.auditing.changes import find_changes
+from engine.auditing.judging import judge_change
+from engine.auditing.process_state import ProcessState
+from engine.auditing.recording import Recorded, containers, measure, recording
+from engine.auditing.report import AuditReport
+from engine.auditing.whole_model import OriginalRun, judge_patched, measure_original
+from engine.runtime.wrappers import unwrap
+from engine.verification.compare import DTYPE_NAMES
+from engine.verification.models import holding_device
+from engine.verification.random_state import keeps_random_state
+from engine.verification.runner import prepare_batch
+
+__all__ = ["Original", "audit", "audit_many", "measure_first"]
+
+Patch = str | Callable[[nn.Module], Any] | Adapter
+
+
+class Original:
+    """The unpatched model's numbers, measured once, against which any number of patches are judged."""
+
+    def __init__(self, model: nn.Module, batch: dict[str, Any], held: torch.device, seconds: float,
+                 whole: OriginalRun, records: dict[Any, Recorded], functions: dict[tuple[str, str], Any]):
+        self.model, self.batch, self.held, self.seconds = model, batch, held, seconds
+        self.whole, self.records, self.functions = whole, records, functions
+        self.phases: dict[str, float] = {}
+
+
+@keeps_random_state
+def measure_first(model: nn.Module, batch: dict[str, Any] | None = None, *, offload: Any = "auto") -> Original:
+    """Step 1 of an audit (see the module docstring): everything the original computes, before any patch."""
+    from engine.scaffolding.capture import model_functions
+
+    started = time.perf_counter()
+    model = unwrap(model)
+    batch = prepare_batch(model, batch)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        batch.setdefault("use_cache", False)  # a cache the layers write into would make their recorded inputs stale
+    held = holding_device(model, offload)
+    paths = {p for p, _ in model.named_modules()} - containers(model)
+    functions = model_functions(model)
+    records: dict[Any, Recorded] = {}
+    whole = measure_original(model, batch, held, recording(model, paths, functions, records, held))
+    modules_started = time.perf_counter()
+    measure(model, functions, records)
+    original = Original(model, batch, held, time.perf_counter() - started, whole, records, functions)
+    original.phases = {"model and its truth": round(modules_started - started, 1),
+                       "modules and their truth": round(time.perf_counter() - modules_started, 1)}
+    return original
+
+
+def audit(model: nn.Module, patch: Patch, *, batch: dict[str, Any] | None = None, offload: Any = "auto") -> AuditReport:
+    """Judge ``patch`` (someone else's) on ``model`` with the verifier; the model and the process are left as they were.
+
+    Args:
+        model: a transformers model (or a wrapper of one). Never patched itself: the patch runs on
+            a deep copy (one more model in memory), and every module-level name or class attribute
+            it rebinds is put back afterwards.
+        patch: ``fn(model)`` patching in place (Liger's ``model=`` form), ``"MODULE:FUNCTION"``,
+            ``"FILE.py:FUNCTION"``, a named stack (``"liger"``, ``"twinkle"``, ``"llamafactory-v1"``,
+            ``"hf-kernels"``), ``"patchset:NAME"`` (ours, judged the same way), or an :class:`Adapter`.
+        batch: real inputs, as for :func:`engine.verify` (default: a probe batch of token ids).
+
+    Returns:
+        An :class:`AuditReport`: per change (module class swapped, forward replaced, class
+        attribute or module-level function rebound) whether it computes the original's numbers,
+        and where not, the declaration that explains it; the whole model's logits, loss and
+        gradients; a verdict (``passes``, ``differs``, ``unchecked``, ``unchanged``, ``error``).
+
+    Example:
+        >>> report = engine.audit(model, "liger")            # doctest: +SKIP
+        >>> print(report)                                      # doctest: +SKIP
+    """
+    return audit_many(model, [patch], batch=batch, offload=offload)[0]
+
+
+def audit_many(model: nn.Module, patches: Sequence[Patch], *, batch: dict[str, Any] | None = None,
+               offload: Any = "auto", original: Original | None = None) -> list[AuditReport]:
+    """:func:`audit` of several patches against one measurement of the original (measured once, first)."""
+    model = unwrap(model)
+    model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
+    adapters = [resolve(p, model_type) for p in patches]
+    original = original or measure_first(model, batch, offload=offload)
+    return [_judge_one(original, adapter, model_type) for adapter in adapters]
+
+
+@keeps_random_state
+def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditReport:
+    model = original.model
+    dtype = next(model.parameters()).dtype
+    report = AuditReport(adapter.name, type(model).__name__, model_type, DTYPE_NAMES.get(dtype, str(dtype)),
+                         environment=adapter.notes, seconds={"original": round(original.seconds, 2)})
+    classes = {type(m).__module__ for m in model.modules()}
+    state = ProcessState(extra_modules=classes)
+    started = time.perf_counter()
+    patched = copy.deepcopy(model)
+    try:
+        with adapter.environment(patched):
+            try:
+                with state.watching_imports():
+                    adapter.apply(patched)
+            except Exception as exc:  # noqa: BLE001  (the stack's own error is the finding)
+                report.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+                return report
+            report.seconds["patch"] = round(time.perf_counter() - started, 2)
+            started = time.perf_counter()
+            _judge(original, adapter, patched, state, report)
+            report.seconds["judge"] = round(time.perf_counter() - started, 2)
+    finally:
+        state.restore()
+        del patched
+    return report
+
+
+def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: ProcessState, report: AuditReport) -> None:
+    model = original.model
+    changes = find_changes(model, patched, state.changes(), original.functions, set(original.records))
+    if not changes:
+        return
+    named, mine = dict(model.named_modules()), dict(patched.named_modules())
+    device = next(model.parameters()).device
+    namespaces = {c.where: c.after for c in state.changes() if c.kind == "function"}
+    for change in changes:
+        if change.judged == "function":
+            key = tuple(change.path.rsplit(".", 1))
+            rec = original.records.get(key)
+            row = judge_change(change, rec, adapter.function(patched, namespaces[change.path]),
+                               original.functions[key], device)
+        else:
+            rec = original.records.get(change.path) if change.judged == "module" else None
+            row = judge_change(change, rec, mine.get(change.path), named.get(change.path), device)
+        if change.kind == "registry entry":
+            row.note = (f"a registry entry, looked up by key while the model runs (this model's attention: "
+                        f"{getattr(model.config, '_attn_implementation', '?')}): judged by the whole-model checks")
+        report.rows.append(row)
+    if not any(c.judged != "none" for c in changes):
+        return
+    try:
+        checks = judge_patched(patched, original.batch, original.whole, original.held)
+    except Exception as exc:  # noqa: BLE001  (a patched model that cannot run here is unchecked, never passed)
+        report.model_problem = f"the patched model raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        return
+    report.model_checks = checks
+    report.model_ratios = _model_ratios(checks)
+
+
+def _model_ratios(checks: Sequence[Any]) -> dict[str, float]:
+    """Each whole-model check's difference over the original's own error, read from its note (0 where bit-equal)."""
+    import re
+
+    out = {}
+    for c in checks:
+        what = c.what.split(" ")[0]
+        if c.max_abs == 0:
+            out[what] = 0.0
+            continue
+        found = re.search(r"= ([0-9.e+-]+|inf) ?x the original's own error", c.note)
+        if found:
+            out[what] = float(found.group(1))
+    return out

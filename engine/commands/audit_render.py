@@ -1,0 +1,125 @@
+"""Rendering the audit table (:mod:`engine.commands.audit_table`): Markdown for docs/audit.md, and a PNG.
+
+The picture is the table at a glance: one row per stack, one column per model type, two panels
+(fp32, bf16), each cell coloured by the worst difference the audit found relative to the original's
+own rounding error there (bit-equal, within the judge, beyond it by up to 100x, beyond 100x), and
+grey or hatched where nothing could be judged (unchecked, the patch raised, it changed nothing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BEGIN", "END", "render_markdown", "render_png", "replace_section"]
+
+BEGIN = "<!-- audit table: begin (python -m engine.commands.audit_table) -->"
+END = "<!-- audit table: end -->"
+_STACK_NAMES = {"liger": "Liger", "hf-kernels": "HF kernels", "twinkle": "twinkle", "llamafactory-v1": "LlamaFactory v1",
+                "patchset": "ours"}
+
+
+def _cells(data: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    return {(c["stack"], c["model_type"], c["dtype"]): c for c in data["cells"]}
+
+
+def _word(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "-"
+    verdict = c["verdict"]
+    text = c.get("text", "").replace("|", "/").replace("\n", " ")
+    if verdict == "passes":
+        return f"passes ({text})"
+    if verdict == "not claimed":
+        return "not claimed"
+    return f"**{verdict}**: {text}" if verdict == "differs" else f"{verdict}: {text}"
+
+
+def render_markdown(data: dict[str, Any], *, png: str) -> str:
+    cells = _cells(data)
+    lines = [BEGIN, "", (f"Generated in {data['generated_in_seconds'] / 60:.0f} min by `{data['command']}` (tiny "
+                         "models, a probe batch of 2 x 16 tokens, training mode; each cell one audit, its time in the "
+                         "last column)."), ""]
+    lines += ["| stack | version | transformers | torch | model types claimed | time |", "|---|---|---|---|---|---|"]
+    for stack, info in data["stacks"].items():
+        types = info.get("types", [])
+        claimed = f"{len(types)}" if not info.get("error") else f"0 ({info['error']})"
+        lines.append(f"| {_STACK_NAMES.get(stack, stack)} | {info.get('version', '-')} | {info.get('transformers', '-')} "
+                     f"| {info.get('torch', '-')} | {claimed} | {info.get('seconds', 0) / 60:.1f} min |")
+    lines += ["", f"![audit: stacks x model types, coloured by the worst error relative to the original's own]({png})", ""]
+    for stack in data["stacks"]:
+        if stack == "patchset":
+            continue
+        types = sorted({t for (s, t, _) in cells if s == stack})
+        if not types:
+            continue
+        lines += [f"### {_STACK_NAMES.get(stack, stack)}", "",
+                  "| model type | fp32 | bf16 | ours (fp32 / bf16) | time |", "|---|---|---|---|---|"]
+        for t in types:
+            mine = [cells.get(("patchset", t, d)) for d in ("fp32", "bf16")]
+            ours = " / ".join(m["verdict"] if m else "-" for m in mine) if any(mine) else "no patchset bundled"
+            seconds = sum(cells[(stack, t, d)].get("seconds", 0) for d in ("fp32", "bf16") if (stack, t, d) in cells)
+            lines.append(f"| {t} | {_word(cells.get((stack, t, 'fp32')))} | {_word(cells.get((stack, t, 'bf16')))} "
+                         f"| {ours} | {seconds:.0f} s |")
+        lines.append("")
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str, section: str) -> str:
+    """``text`` with the part between :data:`BEGIN` and :data:`END` replaced (appended where there is none)."""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        return head + section.rstrip("\n") + rest.split(END, 1)[1]
+    return text.rstrip("\n") + "\n\n" + section
+
+
+def _colour(c: dict[str, Any] | None) -> tuple[str, str]:
+    """(face colour, hatch) of one cell."""
+    if c is None or c["verdict"] == "not claimed":
+        return "white", ""
+    verdict, ratio = c["verdict"], c.get("worst_ratio")
+    if verdict in ("unchecked", "error"):
+        return "#bdbdbd", "//" if verdict == "error" else ""
+    if verdict == "unchanged":
+        return "#eeeeee", ".."
+    if verdict == "passes":
+        return ("#1a9850" if not ratio else "#91cf60"), ""
+    if ratio is None or ratio <= 3:
+        return "#fee08b", ""
+    return ("#fc8d59" if ratio <= 100 else "#d73027"), ""
+
+
+def render_png(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    cells = _cells(data)
+    stacks = [s for s in data["stacks"] if any(k[0] == s for k in cells)]
+    types = sorted({t for (s, t, _), c in cells.items() if c["verdict"] != "not claimed"})
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.28 * len(types) + 2.5), 2.2 + 0.9 * len(stacks)), squeeze=False)
+    for ax, dtype in zip(axes[:, 0], ("fp32", "bf16"), strict=True):
+        for i, stack in enumerate(stacks):
+            for j, t in enumerate(types):
+                face, hatch = _colour(cells.get((stack, t, dtype)))
+                ax.add_patch(Rectangle((j, i), 1, 1, facecolor=face, hatch=hatch, edgecolor="white", linewidth=0.8))
+        ax.set_xlim(0, len(types))
+        ax.set_ylim(len(stacks), 0)
+        ax.set_yticks([i + 0.5 for i in range(len(stacks))], [_STACK_NAMES.get(s, s) for s in stacks], fontsize=8)
+        ax.set_xticks([j + 0.5 for j in range(len(types))], types, rotation=90, fontsize=6)
+        ax.set_title(f"{dtype}: worst difference relative to the original's own rounding error", fontsize=9)
+        ax.tick_params(length=0)
+    legend = [Patch(facecolor="#1a9850", label="bit-equal"), Patch(facecolor="#91cf60", label="passes (within 3x)"),
+              Patch(facecolor="#fee08b", label="differs, <= 3x (another declaration)"),
+              Patch(facecolor="#fc8d59", label="differs, 3-100x"), Patch(facecolor="#d73027", label="differs, > 100x"),
+              Patch(facecolor="#bdbdbd", label="unchecked"), Patch(facecolor="#bdbdbd", hatch="//", label="patch raised"),
+              Patch(facecolor="#eeeeee", hatch="..", label="changes nothing"),
+              Patch(facecolor="white", edgecolor="#999999", label="not claimed")]
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

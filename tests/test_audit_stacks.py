@@ -1,0 +1,59 @@
+"""Each named stack's own patching, audited where that stack is installed (skipped elsewhere).
+
+twinkle and LlamaFactory live in venvs of their own (.ci/twinkle and .ci/llamafactory build them);
+run this file there with this checkout on ``PYTHONPATH``. HF ``kernels`` is a dependency of the
+transformers this venv has. Their NPU kernels run on the emulated ``torch_npu``, each named in the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> tuple[int, str]:
+    """``patch-engine audit ...`` in a fresh process (LlamaFactory registers its kernels on first import)."""
+    done = subprocess.run([sys.executable, "-m", "engine", "audit", *args], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    return done.returncode, done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llamafactory") is None, reason="LlamaFactory is not installed here")
+def test_llamafactory_v1_swiglu_on_gelu_and_its_norm_scale_are_caught_on_gemma3() -> None:
+    code, out = _run("gemma3_text", "--with", "llamafactory-v1", "--with", "patchset:gemma3_text")
+    assert code == 1
+    assert "Gemma3MLP differs: computes op: swiglu, activation: silu where Gemma3MLP.forward computes op: geglu, " \
+           "approximate: tanh (exactly)" in out
+    assert "Gemma3RMSNorm differs: computes scale: weight where Gemma3RMSNorm.forward computes scale: " \
+           "one_plus_weight (exactly)" in out
+    assert "torch_npu is the emulator of its documented ops" in out
+    assert "patchset gemma3_text (engine.apply) on gemma3_text (fp32): passes" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("twinkle") is None, reason="twinkle is not installed here")
+def test_twinkle_default_map_on_an_emulated_npu() -> None:
+    code, out = _run("qwen3", "--with", "twinkle")
+    assert "twinkle 0.5.1: kernelize(model) (DEFAULT_KERNEL_CONFIG) on qwen3 (fp32): passes" in out, out
+    assert "class swapped: NpuRMSNorm" in out and "npu_swiglu_forward" in out
+    assert "entries name nothing in transformers" in out  # its map's classes that do not exist, reported
+    assert code == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("kernels") is None or importlib.util.find_spec("liger_kernel") is None,
+                    reason="HF kernels and liger-kernel are not both installed here")
+def test_hf_kernels_local_mapping_on_llama() -> None:
+    from conftest import tiny_for
+
+    from engine.auditing import audit
+
+    report = audit(tiny_for("llama").train(), "hf-kernels")
+    norms = [r for r in report.rows if r.cls == "LlamaRMSNorm"]
+    assert norms and {r.result for r in norms} <= {"same", "passes"}, str(report)
+    assert report.verdict == "passes"

@@ -1,0 +1,60 @@
+"""The published audit table (docs/audit.md) holds: a subset regenerated and compared with its rows.
+
+The subset is Liger's llama (passes) and OLMo 2 (differs in bf16: its casting mode), each in fp32 and
+bf16, with our patchset beside them, run as the full table runs them (a worker process per stack, one
+audit per cell, Liger's Triton kernels under Triton's interpreter): about 3 minutes on 2 cores, so CI
+runs it as a step of its own (.ci/audit), not in the suite's 15 minutes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.commands.audit_render import BEGIN, END, render_markdown, render_png, replace_section
+from engine.commands.audit_table import generate
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBSET = ["llama", "olmo2"]
+
+
+def published(stack_title: str) -> dict[str, tuple[str, str, str]]:
+    """``{model type: (fp32 verdict, bf16 verdict, ours)}`` from a stack's table in docs/audit.md."""
+    text = (ROOT / "docs" / "audit.md").read_text()
+    section = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    table = section.split(f"### {stack_title}\n", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = (_verdict(cells[1]), _verdict(cells[2]), cells[3])
+    return rows
+
+
+def _verdict(cell: str) -> str:
+    return re.match(r"\**([a-z ]+?)\**(:| \(|$)", cell).group(1)  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PATCH_ENGINE_AUDIT_CI"),
+                   reason="about 3 minutes on 2 cores: run by .ci/audit (PATCH_ENGINE_AUDIT_CI=1)")
+def test_a_subset_regenerated_matches_the_published_table(tmp_path: Path) -> None:
+    pytest.importorskip("liger_kernel")
+    data = generate({}, ("liger",), SUBSET, timeout=600, log=io.StringIO())
+    cells = {(c["stack"], c["model_type"], c["dtype"]): c for c in data["cells"]}
+    assert cells[("liger", "olmo2", "bf16")]["verdict"] == "differs"
+    assert "computes cast: llama where Olmo2RMSNorm.forward computes cast: fp32" in cells[("liger", "olmo2", "bf16")]["text"]
+    assert any("Triton's interpreter" in e for e in cells[("liger", "llama", "fp32")]["environment"])
+    rows = published("Liger")
+    for model_type in SUBSET:
+        ours = " / ".join(cells[("patchset", model_type, d)]["verdict"] for d in ("fp32", "bf16"))
+        assert rows[model_type] == (cells[("liger", model_type, "fp32")]["verdict"],
+                                    cells[("liger", model_type, "bf16")]["verdict"], ours), model_type
+    # the same command's outputs: the section and the picture
+    section = render_markdown(data, png="audit.png")
+    assert replace_section(f"# t\n\n{BEGIN}\nold\n{END}\n", section).count(BEGIN) == 1
+    render_png(data, tmp_path / "audit.png")
+    assert (tmp_path / "audit.png").stat().st_size > 10_000
