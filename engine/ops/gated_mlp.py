@@ -25,8 +25,11 @@ from engine.schema import GatedMlpPatch, GateUpOrder
 
 __all__ = ["ACTIVATION_PROBE", "bind_gated_mlp", "check_gated_mlp", "projection_candidates"]
 
-#: Inputs on which a target's activation module is compared with the op's activation.
-ACTIVATION_PROBE = torch.linspace(-6, 6, 97)
+#: Inputs on which a target's activation module is compared with the op's activation. Device and dtype
+#: explicit: made at import, which may happen inside ``with torch.device("meta")`` (a model built on the
+#: meta device and patched there, transformers' from_pretrained), where a default-device probe would be a
+#: meta tensor and every later check in the process would refuse the MLP.
+ACTIVATION_PROBE = torch.linspace(-6, 6, 97, dtype=torch.float32, device="cpu")
 
 #: The gated-MLP declarations an activation module may fit, as a refusal names them: when the
 #: declared activation is not the target's, the one of these that is (bit for bit) is the fix.

@@ -218,7 +218,7 @@ class MoeExpertsOp(ModuleOp):
                                             "which activation clamped_swiglu needs")
             return
         act = getattr(module, patch.act_attr, None)
-        probe = torch.linspace(-6, 6, 97)
+        probe = torch.linspace(-6, 6, 97, dtype=torch.float32, device="cpu")  # not the meta device of a meta-built model
         if not callable(act) or not torch.allclose(act(probe), F.silu(probe), atol=1e-6):
             raise SignatureMismatch(
                 f"{cls}.{patch.act_attr} is {type(act).__name__}, which does not compute silu; activation silu "
