@@ -1,0 +1,317 @@
+"""Run transformers' own modeling tests unpatched and patched, compare them test by test, write docs/hf_tests.md.
+
+Usage (from the repository root, inside the project's venv)::
+
+    python tests/hf_suite/run.py setup                      # transformers 5.15.1 + its tests under .hf-suite/
+    python tests/hf_suite/run.py sweep [FAMILY ...]         # every family (default) x every mode, then the page
+    python tests/hf_suite/run.py sweep qwen3 --modes off,torch
+    python tests/hf_suite/run.py ci                         # the CI subset (.ci/hf-suite); exit 1 on a difference
+    python tests/hf_suite/run.py render                     # docs/hf_tests.md again from the committed summary
+
+Why a subprocess per file and mode: the mode is process-wide (the compiled kernels' switch and
+threshold, Triton's interpreter), and transformers' tests leave state behind them. Why
+transformers 5.15.1: the test tree at hand (``/work/shared/hf-tests``) is that release's, and other
+releases' modeling code differs from its tests. It is installed into a ``--target`` folder put
+first on ``PYTHONPATH`` (as ``.ci/matrix`` does), so the venv's torch, liger and fla are shared.
+
+Each run writes ``<results>/<family>-<mode>.json`` (every test's outcome, the models built,
+patched and refused) and its log; a sweep resumes where it stopped (``--again`` reruns). The summary
+(``benchmarks/results/hf_tests/summary.json``, one row per family and mode) is what the page is
+rendered from. Run it niced on a shared machine: ``nice -n 19 python tests/hf_suite/run.py ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+WORK = Path(os.environ.get("HF_SUITE_DIR", ROOT / ".hf-suite"))
+TARBALL = Path(os.environ.get("HF_SUITE_TARBALL", ROOT.parent / "shared" / "hf-tests" / "transformers-tests.tar.gz"))
+RELEASE = "5.15.1"
+TF_DIR = WORK / f"tf-{RELEASE}"
+TESTS_DIR = WORK / "transformers-tests"
+RESULTS = WORK / "results"
+SUMMARY = ROOT / "benchmarks" / "results" / "hf_tests"
+PAGE = ROOT / "docs" / "hf_tests.md"
+#: What the tests need beside the project's [dev] extras (the tree's README), installed into TF_DIR.
+TEST_DEPS = ("parameterized", "timeout-decorator", "pytest-timeout")
+MODES = ("off", "torch", "compiled", "interpret")
+#: Per test, pytest-timeout's limit: a hung test fails instead of stopping the sweep.
+TIMEOUT_S = 600
+
+#: The interpret mode runs these tests only: the ones that train (a forward and a backward: the liger
+#: and fla kernels' backward is where a CUDA plan differs most from the torch one), with gradient
+#: checkpointing in its non-reentrant form (torch's early stop of the recompute runs through the
+#: kernels), and the retained gradients of hidden states. Not ``test_training_overfit`` (hundreds of
+#: steps), nor the other checkpointing variants and ``test_problem_types`` (the same kernels again):
+#: interpreted, each Triton program runs in Python, and these take 1-4 minutes each (qwen3: 92 s
+#: ``test_training``, 120 s per checkpointing variant, 239 s with input gradients, on 2 busy cores).
+#: The rest of a file would take hours interpreted; its forwards are what the other modes run.
+INTERPRET_SELECTION = ("test_training and not test_training_overfit and not test_training_gradient_checkpointing"
+                       " or test_training_gradient_checkpointing_use_reentrant_false"
+                       " or test_retain_grad_hidden_states_attentions")
+SELECTIONS = {"interpret": INTERPRET_SELECTION}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One pytest run: a family's test file in a mode, optionally a -k selection and another patchset."""
+
+    family: str
+    mode: str
+    selection: str = ""
+    patchset: str | None = None  # a bundled patchset instead of the model type's own (qwen3_flce)
+
+    @property
+    def name(self) -> str:
+        """The results file's name: a selection other than the mode's own adds a hash of it."""
+        own = self.selection and self.selection != SELECTIONS.get(self.mode, "")
+        return (f"{self.family}-{self.mode}" + (f"-{self.patchset}" if self.patchset else "")
+                + (f"-k{hashlib.sha1(self.selection.encode()).hexdigest()[:8]}" if own else ""))
+
+
+#: The CI subset (``.ci/hf-suite``): every op and kernel provider at least once, not only llama-like
+#: families, within 15 minutes on 2 cores. Each family also gets one unpatched run of the union of
+#: its selections. Why these: qwen3 is the llama-like baseline (rms_norm, swiglu, rope; its forward
+#: under a fullgraph compile, cached generation, save and load; liger's kernels interpreted; the
+#: fused head with qwen3_flce, trained on labels); gemma3 brings geglu, 1 + w norms, the vision
+#: tower's layer_norm, and the gradient-checkpointing tests the compiled kernels once broke;
+#: qwen3_moe the experts and their experts_implementation switches (once ignored); qwen3_next
+#: gated_rms_norm, linear attention (decode too) and fla's gated norm interpreted.
+_TRAIN = "test_training and not test_training_overfit and not test_training_gradient_checkpointing"
+_RETAIN = "test_retain_grad_hidden_states_attentions"
+CI_RUNS: tuple[Run, ...] = (
+    Run("qwen3", "torch", f"{_TRAIN} or {_RETAIN} or test_generate_continue_from_past_key_values"
+                          " or test_generate_compile_model_forward_fullgraph or test_save_load"),
+    Run("qwen3", "compiled", f"test_training_gradient_checkpointing or {_RETAIN}"),
+    Run("qwen3", "torch", _TRAIN, patchset="qwen3_flce"),
+    Run("qwen3", "interpret", _TRAIN, patchset="qwen3_flce"),
+    Run("gemma3", "compiled", "gradient_checkpointing"),
+    Run("gemma3", "interpret", f"Gemma3TextModelTest and {_RETAIN}"),
+    Run("qwen3_moe", "torch", f"test_eager_matches_batched_and_grouped_inference"
+                              f" or {_TRAIN}"),
+    Run("qwen3_next", "torch", f"{_TRAIN} or {_RETAIN} or test_generate_continue_from_past_key_values"),
+    Run("qwen3_next", "interpret", _RETAIN),
+)
+#: What the CI subset must have patched at least once (``op:kernel`` in some run's models).
+CI_MUST_COVER = {
+    "ops": ("rms_norm", "gated_rms_norm", "layer_norm", "swiglu", "geglu", "rope", "moe_experts", "linear_attention",
+            "fused_linear_cross_entropy"),
+    "kernels": ("torch", "compiled", "liger", "fla"),
+}
+
+
+def families() -> list[str]:
+    """The test folders of the bundled model types (``qwen2_5_vl_text`` is tested in ``qwen2_5_vl``)."""
+    sys.path.insert(0, str(ROOT))
+    from engine.loader import bundled_names, load_patchset
+
+    found = set()
+    for name in bundled_names():
+        for model_type in load_patchset(name).model_types:
+            for folder in (model_type, model_type.removesuffix("_text_model"), model_type.removesuffix("_text")):
+                if (TESTS_DIR / "tests" / "models" / folder / f"test_modeling_{folder}.py").exists():
+                    found.add(folder)
+                    break
+    return sorted(found)
+
+
+def setup() -> None:
+    """transformers 5.15.1 and the test deps into TF_DIR; its tests unpacked into TESTS_DIR (each once)."""
+    if not (TF_DIR / ".complete").exists():
+        shutil.rmtree(TF_DIR, ignore_errors=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(TF_DIR)]
+        subprocess.run([*pip, "--no-deps", f"transformers=={RELEASE}", *TEST_DEPS], check=True)
+        needed = subprocess.run([sys.executable, str(ROOT / ".ci" / "matrix_deps.py"), str(TF_DIR)], check=True,
+                                capture_output=True, text=True).stdout.split()
+        if needed:
+            subprocess.run([*pip, *needed], check=True)
+        # transformers 5.25 brought HF `kernels` into the venv, and this release changes behaviour beside it
+        # (it wraps functions in kernels' modules): hidden as .ci/matrix hides it, a module that fails to
+        # import found first on the path, and metadata below every release's minimum.
+        (TF_DIR / "kernels").mkdir(exist_ok=True)
+        (TF_DIR / "kernels" / "__init__.py").write_text('raise ImportError("kernels is hidden by the hf-suite")\n')
+        (TF_DIR / "kernels-0.0.0.dist-info").mkdir(exist_ok=True)
+        (TF_DIR / "kernels-0.0.0.dist-info" / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: kernels\nVersion: 0.0.0\n")
+        (TF_DIR / ".complete").touch()
+    if not (TESTS_DIR / "tests").exists():
+        with tarfile.open(TARBALL) as tar:
+            tar.extractall(WORK, filter="data")
+    link = TESTS_DIR / "src" / "transformers"  # some utilities look the package up there (the tree's README)
+    if not link.exists():
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(TF_DIR / "transformers")
+
+
+def run(spec: Run, results: Path, *, threads: int | None = None) -> Path:
+    """One pytest process for ``spec``; returns its results JSON (also written when tests fail)."""
+    out = results / f"{spec.name}.json"
+    test_file = f"tests/models/{spec.family}/test_modeling_{spec.family}.py"
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-p", "hf_suite_plugin",
+           "--timeout", str(TIMEOUT_S), "-o", "addopts=", "--rootdir", ".", "-c", os.devnull]
+    if spec.selection:
+        cmd += ["-k", spec.selection]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TF_DIR), str(ROOT), str(HERE)]),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_SUITE_MODE": spec.mode, "HF_SUITE_OUT": str(out),
+           "HF_SUITE_SELECTION": spec.selection, "PATCH_ENGINE_CACHE_DIR": str(results / "cache")}
+    if spec.patchset:
+        env["HF_SUITE_PATCHSET"] = spec.patchset
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    out.unlink(missing_ok=True)
+    start = time.time()
+    with open(results / f"{spec.name}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=TESTS_DIR, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    if not out.exists():  # pytest died before its session finished: a row that says so
+        out.write_text(json.dumps({"mode": spec.mode, "patchset_override": spec.patchset, "selection": spec.selection,
+                                   "exitstatus": rc, "wall_s": round(time.time() - start, 1), "counts": {},
+                                   "models": {"built": 0, "patched": 0, "refused": {}, "no_patchset": {}, "crashed": {},
+                                              "kernels": {}, "warnings": {}, "activations": {}},
+                                   "compiled": {}, "tests": {}}))
+    print(f"{spec.name}{' -k ' + repr(spec.selection) if spec.selection else ''}: exit {rc}, "
+          f"{time.time() - start:.0f} s", flush=True)
+    return out
+
+
+def run_all(specs: list[Run], results: Path, jobs: int, again: bool) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    todo = [s for s in specs if again or not (results / f"{s.name}.json").exists()]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(lambda s: run(s, results, threads=1 if jobs > 1 else None), todo))
+
+
+def rows(specs: list[Run], results: Path, baseline: dict[str, Run] | None = None) -> list[dict[str, Any]]:
+    """A summary row for each patched run in ``specs``, compared with its family's unpatched run.
+
+    The unpatched run is ``baseline[family]`` where given (the CI subset's union of selections), else the
+    unpatched run of the same selection where there is one, else the family's whole file unpatched.
+    """
+    out = []
+    for spec in specs:
+        if spec.mode == "off":
+            continue
+        candidates = [baseline[spec.family]] if baseline else [Run(spec.family, "off", spec.selection),
+                                                               Run(spec.family, "off")]
+        off_path = next((p for c in candidates if (p := results / f"{c.name}.json").exists()), None)
+        off = report.load(off_path) if off_path else None
+        row = report.summarize(spec.family, spec.mode, off, report.load(results / f"{spec.name}.json"))
+        out.append({**row, "selection": spec.selection})
+    return out
+
+
+def _environment() -> str:
+    import importlib.metadata as md
+
+    return (f"transformers {RELEASE}, torch {md.version('torch')}, liger-kernel {md.version('liger_kernel')}, "
+            f"flash-linear-attention {md.version('flash-linear-attention')}, {platform.machine()} CPU, "
+            f"{os.cpu_count()} cores, {datetime.date.today().isoformat()}")
+
+
+def write_summary(name: str, new_rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """Merge ``new_rows`` into ``SUMMARY/name.json`` (a row per family, mode, patchset and selection; newest wins)."""
+    path = SUMMARY / f"{name}.json"
+    old = report.load(path) if path.exists() else {"rows": []}
+    key = lambda r: (r["family"], MODES.index(r["mode"]), r.get("patchset") or "", r.get("selection", ""))
+    merged = {key(r): r for r in old["rows"]} | {key(r): r for r in new_rows}
+    data = {**old, **extra, "environment": _environment(), "rows": [merged[k] for k in sorted(merged)]}
+    SUMMARY.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return data
+
+
+def render_page() -> None:
+    from method import method
+
+    summary = report.load(SUMMARY / "summary.json") if (SUMMARY / "summary.json").exists() else {"rows": []}
+    ci = report.load(SUMMARY / "ci.json") if (SUMMARY / "ci.json").exists() else None
+    PAGE.write_text(report.render(summary, method(ci, CI_RUNS, SELECTIONS)), encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+
+
+def ci(results: Path, jobs: int) -> int:
+    """The CI subset; 1 when a patched outcome differs, a run is a harness failure, or an op or kernel went untested."""
+    start = time.time()
+    selections: dict[str, list[str]] = {}
+    for spec in CI_RUNS:
+        selections.setdefault(spec.family, []).append(f"({spec.selection})")
+    offs = [Run(f, "off", " or ".join(s)) for f, s in selections.items()]
+    run_all(offs + list(CI_RUNS), results, jobs, again=True)
+    found = rows(list(CI_RUNS), results, {o.family: o for o in offs})
+    covered = {k for r in found for k in r["models"]["kernels"]}
+    missing = [op for op in CI_MUST_COVER["ops"] if not any(k.startswith(op + ":") for k in covered)]
+    missing += [kernel for kernel in CI_MUST_COVER["kernels"] if not any(k.endswith(":" + kernel) for k in covered)]
+    wall = round(time.time() - start)
+    write_summary("ci", found, wall_s=wall, jobs=jobs, missing=missing)
+    failed = 0
+    for row in found:
+        name = row["family"] + f" {row['mode']}" + (f" ({row['patchset']})" if row.get("patchset") else "")
+        for problem in row["problems"]:
+            print(f"FAIL {name}: {problem}")
+            failed += 1
+        for d in row.get("differences", []):
+            print(f"FAIL {name}: {d['test']}: {d['unpatched']} unpatched, {d['patched']} patched: {d['message']}")
+            failed += 1
+        print(f"{name}: unpatched {report._cell(row.get('unpatched', {}))}, patched "
+              f"{report._cell(row.get('patched', {}))}, {report._models(row)} models patched")
+    for item in missing:
+        print(f"FAIL: the CI subset patched no model with {item}")
+    print(f"hf-suite CI subset: {wall} s, {'failed' if failed or missing else 'passed'}")
+    return 1 if failed or missing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("setup")
+    sweep = sub.add_parser("sweep")
+    sweep.add_argument("families", nargs="*", help="test folders (default: every bundled family's)")
+    sweep.add_argument("--modes", default=",".join(MODES))
+    sweep.add_argument("--again", action="store_true", help="rerun runs that have results already")
+    sweep.add_argument("-k", dest="select", default="",
+                       help="a pytest -k selection for every mode (its rows say so; unpatched: the same selection)")
+    for p in (sweep, sub.add_parser("ci")):
+        p.add_argument("--results", type=Path, default=RESULTS)
+        p.add_argument("--jobs", type=int, default=1, help="pytest processes at a time (one per core)")
+    sub.add_parser("render")
+    args = parser.parse_args(argv)
+    if args.command == "render":
+        render_page()
+        return 0
+    setup()
+    if args.command == "setup":
+        return 0
+    if args.command == "ci":
+        code = ci(args.results, args.jobs)
+        render_page()
+        return code
+    modes = list(dict.fromkeys(["off", *args.modes.split(",")]))  # the unpatched run is every mode's baseline
+    if unknown := [m for m in modes if m not in MODES]:
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    specs = [Run(f, m, args.select or SELECTIONS.get(m, "")) for f in (args.families or families()) for m in modes]
+    run_all(specs, args.results, args.jobs, args.again)
+    write_summary("summary", rows(specs, args.results))
+    render_page()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

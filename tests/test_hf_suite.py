@@ -1,0 +1,89 @@
+"""The hf-suite harness (tests/hf_suite/): its judgement of a patched run and the activation switch.
+
+The harness itself runs transformers' test files (minutes each, under another transformers
+release: tests/hf_suite/run.py); here are the parts that decide what its results say, on runs
+written as the plugin writes them, and the activation switch on real transformers configs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "hf_suite"))
+import report
+
+
+def _run(tests: dict[str, tuple[str, str]], *, patched: int = 3, mode: str = "torch", **models: Any) -> dict[str, Any]:
+    return {"mode": mode, "exitstatus": 1 if any(o == "failed" for o, _ in tests.values()) else 0, "wall_s": 1.0,
+            "models": {"built": 3, "patched": patched, "refused": {}, "no_patchset": {}, "crashed": {}, "kernels": {},
+                       "warnings": {}, "activations": {}, **models},
+            "compiled": {}, "tests": {k: {"outcome": o, "message": m} for k, (o, m) in tests.items()}}
+
+
+OFF = _run({"t::a": ("passed", ""), "t::b": ("failed", "OSError: no hub"), "t::c": ("skipped", "needs CUDA"),
+            "t::d": ("xfailed", "known")}, mode="off")
+
+
+def test_the_same_outcomes_are_no_difference_and_counts_cover_the_selection() -> None:
+    patched = _run({"t::a": ("passed", ""), "t::b": ("failed", "OSError: no hub, other text")})
+    row = report.compare(OFF, patched)
+    assert row["differences"] == []
+    assert row["unpatched"] == row["patched"] == {"passed": 1, "failed": 1, "skipped": 0, "xfailed": 0, "xpassed": 0}
+
+
+@pytest.mark.parametrize(("b", "d", "what"), [
+    (("failed", "OSError: no hub"), ("failed", "AssertionError: Unexpected state"), "t::d"),  # xfailed -> failed
+    (("failed", "AssertionError: 3 != 4"), ("xfailed", "known"), "t::b"),  # the same test failing another way
+])
+def test_a_changed_outcome_or_another_exception_is_a_difference(b: tuple[str, str], d: tuple[str, str], what: str) -> None:
+    patched = _run({"t::a": ("passed", ""), "t::b": b, "t::c": ("skipped", "needs CUDA"), "t::d": d})
+    differences = report.compare(OFF, patched)["differences"]
+    assert [x["test"] for x in differences] == [what]
+
+
+def test_a_test_missing_from_one_run_is_a_difference() -> None:
+    patched = _run({"t::a": ("passed", ""), "t::e": ("passed", "")})
+    assert [(d["test"], d["unpatched"]) for d in report.compare(OFF, patched)["differences"]] == [("t::e", "not run")]
+
+
+def test_a_subtest_failure_is_judged_by_its_exception() -> None:
+    assert report._exception("subtest [x] (i=1): AssertionError: Tensor-likes are not close") == "AssertionError"
+    assert report._exception("torch._dynamo.exc.Unsupported: graph break") == "torch._dynamo.exc.Unsupported"
+
+
+def test_nothing_patched_a_crash_or_a_dead_pytest_is_a_harness_failure() -> None:
+    ok = _run({"t::a": ("passed", "")})
+    assert report.problems(OFF, ok) == []
+    assert "nothing patched" in report.problems(OFF, _run({"t::a": ("passed", "")}, patched=0))[0]
+    crashed = _run({"t::a": ("failed", "KeyError: x")}, crashed={"qwen3 on Qwen3Model: KeyError: x": 1})
+    assert "engine.apply raised" in report.problems(OFF, crashed)[0]
+    dead = {**ok, "exitstatus": 3}
+    assert "did not finish" in report.problems(OFF, dead)[0]
+
+
+def test_the_page_lists_every_difference_and_refusal() -> None:
+    patched = _run({"t::a": ("failed", "AssertionError: x"), "t::b": ("failed", "OSError: no hub")},
+                   refused={"qwen3 on Qwen3Model: SignatureMismatch: act_fn": 2}, kernels={"rms_norm:torch": 3})
+    summary = {"rows": [report.summarize("qwen3", "torch", OFF, patched)], "environment": "here"}
+    page = report.render(summary, "# title")
+    assert "| qwen3 | torch | 1 / 1 / 0 | 0 / 2 / 0 | 3 of 3 (2 refused) | rms_norm torch |" in page
+    assert "`a`: passed unpatched, failed patched: AssertionError: x" in page
+    assert "SignatureMismatch: act_fn: 2x" in page
+
+
+def test_the_activation_switch_sets_the_family_default_in_configs_and_sub_configs() -> None:
+    """The testers' ``gelu`` becomes the family's own activation; types without a patchset keep theirs."""
+    transformers = pytest.importorskip("transformers")
+    import hf_suite_plugin
+
+    qwen3 = transformers.Qwen3Config(hidden_act="gelu")
+    hf_suite_plugin._family_activation(qwen3)
+    assert qwen3.hidden_act == "silu"
+    gemma3 = transformers.Gemma3Config(text_config={"hidden_activation": "gelu"}, vision_config={"hidden_act": "gelu"})
+    hf_suite_plugin._family_activation(gemma3)
+    assert gemma3.text_config.hidden_activation == "gelu_pytorch_tanh"
+    assert gemma3.vision_config.hidden_act == "gelu"  # siglip_vision_model: no bundled patchset, untouched
