@@ -13,7 +13,8 @@ on the tiny model of its family as the user's model, with an empty cache folder 
    self-verifies (``first_s``); then, alternating, 5 in-range and 5 cached applies (each reverted),
    medians ``in_range_ms`` and ``cached_ms``.
 2. ``cold``: a new process reading the verdict the first wrote: its *first* apply is the cached
-   one (``cold_cached_ms``), against a third process whose first apply is in range (``cold_in_range_ms``).
+   one (``cold_cached_ms``), against a process whose first apply is in range (``cold_in_range_ms``);
+   three of each, alternating, medians.
 
     PYTHONPATH=. python benchmarks/release_selfverify.py qwen3 qwen3_moe SLOWEST \\
         --out benchmarks/results/release_selfverify.json
@@ -81,14 +82,29 @@ def _child(name: str, phase: str) -> dict[str, Any]:
             "patched": len(report.patched)}
 
 
-def measure(name: str) -> dict[str, Any]:
+def measure(name: str, repeats: int = 3) -> dict[str, Any]:
+    """One patchset: the ``first`` process, then ``repeats`` new processes of each cold phase (their medians).
+
+    Cold means cold: each process gets empty inductor and Triton caches of its own (a first run on a
+    machine compiles), and the verdict cache starts empty for ``first``.
+    """
     row: dict[str, Any] = {"patchset": name}
+    cold: dict[str, list[float]] = {"cold_in_range_ms": [], "cold_cached_ms": []}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "PATCH_ENGINE_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
-        for phase in ("first", "cold_in_range", "cold_cached"):
-            done = subprocess.run([sys.executable, __file__, "--child", name, phase], capture_output=True, text=True,
-                                  env=env, check=True)
-            row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+        def child(phase: str) -> dict[str, Any]:
+            with tempfile.TemporaryDirectory() as compiler:
+                env = {**os.environ, "PATCH_ENGINE_CACHE_DIR": cache, "PYTHONPATH": str(ROOT),
+                       "TORCHINDUCTOR_CACHE_DIR": f"{compiler}/inductor", "TRITON_CACHE_DIR": f"{compiler}/triton"}
+                done = subprocess.run([sys.executable, __file__, "--child", name, phase], capture_output=True,
+                                      text=True, env=env, check=True)
+            return json.loads(done.stdout.strip().splitlines()[-1])
+
+        row.update(child("first"))
+        for _ in range(repeats):
+            for phase in ("cold_in_range", "cold_cached"):
+                for key, value in child(phase).items():
+                    cold[key].append(value)
+    row.update({key: statistics.median(values) for key, values in cold.items()})
     row["cached_minus_in_range_ms"] = row["cached_ms"] - row["in_range_ms"]
     row["cold_cached_minus_in_range_ms"] = row["cold_cached_ms"] - row["cold_in_range_ms"]
     return row
