@@ -58,3 +58,21 @@ def test_a_subset_regenerated_matches_the_published_table(tmp_path: Path) -> Non
     assert replace_section(f"# t\n\n{BEGIN}\nold\n{END}\n", section).count(BEGIN) == 1
     render_png(data, tmp_path / "audit.png")
     assert (tmp_path / "audit.png").stat().st_size > 10_000
+
+
+def test_a_table_run_resumes_from_its_cells_file(tmp_path: Path) -> None:
+    """Cells in the cells file are taken from it, not run again: no worker starts when all are there."""
+    from engine.commands.audit_table import _append_cell, _read_cells, _run_cells
+
+    cells_file = tmp_path / "cells.jsonl"
+    for dtype in ("fp32", "bf16"):
+        _append_cell(cells_file, {"stack": "liger", "model_type": "llama", "dtype": dtype, "verdict": "passes",
+                                  "text": "bit-equal", "seconds": 1.0})
+    with cells_file.open("a") as f:
+        f.write('{"stack": "liger", "model_ty')  # a line an interrupted run cut short
+    log = io.StringIO()
+    got = _run_cells("/nonexistent/python", "liger", ["llama"], ("fp32", "bf16"), 1.0, log, cells_file=cells_file)
+    assert [(c["model_type"], c["dtype"], c["verdict"]) for c in got] == [("llama", "fp32", "passes"),
+                                                                         ("llama", "bf16", "passes")]
+    assert "2 cells from" in log.getvalue()
+    assert len(_read_cells(cells_file)) == 2

@@ -12,6 +12,11 @@ with the reason. Each cell is one :func:`engine.audit` of the tiny model of the 
 ``verify`` builds) in that dtype; "ours" is the same audit of our bundled patchset
 (``patchset:NAME``) in this interpreter. A worker that dies or stays silent past ``--timeout``
 seconds has that cell unchecked and is started again for the rest.
+
+Every finished cell is appended to a cells file (``--cells``, default ``.audit-table/cells.jsonl``)
+as it arrives, and a cell already there is not run again (``--again`` reruns them all): the whole
+table takes hours on 2 cores, so an interrupted run resumes where it stopped, and runs of different
+stacks (one per venv, in parallel) share "ours" instead of each auditing our patchsets again.
 """
 
 from __future__ import annotations
@@ -162,10 +167,21 @@ def _ask_claims(python: str, stack: str, extra: str | None = None) -> dict[str, 
 
 
 def _run_cells(python: str, stack: str, types: list[str], dtypes: tuple[str, ...], timeout: float,
-               log: Any, extra: str | None = None) -> list[dict[str, Any]]:
-    """Every (type, dtype) of ``stack`` in worker processes; a dead or silent worker costs its cell only."""
-    pending = [(t, d) for t in types for d in dtypes]
-    results: list[dict[str, Any]] = []
+               log: Any, extra: str | None = None, cells_file: Path | None = None) -> list[dict[str, Any]]:
+    """Every (type, dtype) of ``stack`` in worker processes; a dead or silent worker costs its cell only.
+
+    With ``cells_file``: the cells of ``stack`` already in it are taken from it (read now, so a run of
+    another stack that wrote them meanwhile counts), and each new cell is appended the moment it arrives.
+    """
+    known = {(c["model_type"], c["dtype"]): c for c in _read_cells(cells_file) if c["stack"] == stack}
+    results: list[dict[str, Any]] = [known[(t, d)] for t in types for d in dtypes if (t, d) in known]
+    pending = [(t, d) for t in types for d in dtypes if (t, d) not in known]
+    if results:
+        print(f"{stack}: {len(results)} cells from {cells_file}", file=log, flush=True)
+
+    def record(data: dict[str, Any]) -> None:
+        results.append(data)
+        _append_cell(cells_file, data)
     while pending:
         todo = sorted({t for t, _ in pending}, key=[t for t, _ in pending].index)
         proc = subprocess.Popen(
@@ -192,15 +208,15 @@ def _run_cells(python: str, stack: str, types: list[str], dtypes: tuple[str, ...
             if "start" in data:
                 current, deadline = (data["start"][1], data["start"][2]), time.monotonic() + timeout
                 continue
-            results.append(data)
+            record(data)
             pending.remove((data["model_type"], data["dtype"]))
             print(f"{stack} {data['model_type']} {data['dtype']}: {data['verdict']} ({data['seconds']} s)",
                   file=log, flush=True)
         if current is not None and current in pending:  # the worker died or hung on this cell
             why = f"no answer within {timeout:.0f} s" if proc.returncode in (-9, None) else \
                 f"the worker process died (exit code {proc.returncode})"
-            results.append({"stack": stack, "model_type": current[0], "dtype": current[1], "verdict": "unchecked",
-                            "text": why, "seconds": timeout})
+            record({"stack": stack, "model_type": current[0], "dtype": current[1], "verdict": "unchecked",
+                    "text": why, "seconds": timeout})
             pending.remove(current)
         elif proc.returncode and pending and current is None:
             results += [{"stack": stack, "model_type": t, "dtype": d, "verdict": "unchecked",
@@ -218,8 +234,32 @@ def _pump(proc: subprocess.Popen[str], lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
+def _read_cells(cells_file: Path | None) -> list[dict[str, Any]]:
+    """The cells a cells file holds (the last of each stack, type and dtype wins); none without one."""
+    if cells_file is None or not cells_file.exists():
+        return []
+    cells: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for line in cells_file.read_text().splitlines():
+        try:
+            cell = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by an interrupted run: that cell runs again
+            continue
+        cells[(cell["stack"], cell["model_type"], cell["dtype"])] = cell
+    return list(cells.values())
+
+
+def _append_cell(cells_file: Path | None, cell: dict[str, Any]) -> None:
+    """One line per cell, appended and flushed at once (runs of several stacks may share the file)."""
+    if cells_file is None:
+        return
+    cells_file.parent.mkdir(parents=True, exist_ok=True)
+    with cells_file.open("a") as f:
+        f.write(json.dumps(cell) + "\n")
+
+
 def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] | None, timeout: float,
-             log: Any = sys.stderr, paths: dict[str, str] | None = None) -> dict[str, Any]:
+             log: Any = sys.stderr, paths: dict[str, str] | None = None, cells_file: Path | None = None,
+             ) -> dict[str, Any]:
     """Claims, then every cell, then ours for every type any stack claims; returns the results file's content.
 
     ``pythons``: a stack's interpreter (default: this one); ``paths``: a folder put on that stack's
@@ -235,12 +275,12 @@ def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] |
         types = [t for t in info[stack]["types"] if only is None or t in only]
         print(f"{stack}: {len(types)} model types ({python})", file=log, flush=True)
         stack_started = time.perf_counter()
-        cells += _run_cells(python, stack, types, DTYPES, timeout, log, extra)
+        cells += _run_cells(python, stack, types, DTYPES, timeout, log, extra, cells_file)
         info[stack]["seconds"] = round(time.perf_counter() - stack_started, 1)
     ours_info = _ask_claims(sys.executable, "patchset")
     union = sorted({c["model_type"] for c in cells if c["verdict"] != "not claimed"} & set(ours_info["types"]))
     ours_started = time.perf_counter()
-    cells += _run_cells(sys.executable, "patchset", union, DTYPES, timeout, log)
+    cells += _run_cells(sys.executable, "patchset", union, DTYPES, timeout, log, cells_file=cells_file)
     info["patchset"] = ours_info | {"python": sys.executable, "seconds": round(time.perf_counter() - ours_started, 1)}
     options = [f"--python {k}={v}" for k, v in pythons.items()] + [f"--path {k}={v}" for k, v in paths.items()]
     return {"generated_in_seconds": round(time.perf_counter() - started, 1), "stacks": info, "cells": cells,
@@ -265,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "audit.json"))
     parser.add_argument("--docs", default=str(ROOT / "docs" / "audit.md"))
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "results" / "audit.png"))
+    parser.add_argument("--cells", default=str(ROOT / ".audit-table" / "cells.jsonl"),
+                        help="each finished cell is appended here; cells already here are not run again")
+    parser.add_argument("--again", action="store_true", help="run every cell, even those in --cells")
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker_main(args)
@@ -272,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
 
     pythons = dict(item.split("=", 1) for item in args.python)
     paths = dict(item.split("=", 1) for item in args.path)
+    cells_file = Path(args.cells)
+    if args.again:
+        cells_file.unlink(missing_ok=True)
     data = generate(pythons, tuple(args.stacks.split(",")), args.types.split(",") if args.types else None, args.timeout,
-                    paths=paths)
+                    paths=paths, cells_file=cells_file)
     Path(args.results).write_text(json.dumps(data, indent=1) + "\n")
     render_png(data, Path(args.png))
     docs = Path(args.docs)
