@@ -189,6 +189,45 @@ def test_retain_graph_and_double_backward_as_in_eager() -> None:
     engine.revert(patched)
 
 
+def _weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w.sum(-1, keepdim=True)
+
+
+def _router_and_experts(x: torch.Tensor, kernel) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """An MoE's shape: the routing weights come from ``x`` through topk (which saves its indices), and both go in."""
+    w, _ = torch.topk(torch.softmax(x @ x.T, -1), 2, dim=-1)
+    return kernel(x, w) if kernel is not None else _weighted(x, w)
+
+
+def test_an_input_computed_from_another_is_not_differentiated_through_inside_the_node() -> None:
+    """Compiled kernel node, one input an ancestor of another: the step's backward works and equals eager.
+
+    Before: the node took gradients with respect to its inputs themselves, i.e. the total derivative,
+    which ran the router's topk backward inside the node; the step's own backward then raised "Trying to
+    backward through the graph a second time" (qwen3_moe in bf16, every MoE patchset under the compiled
+    kernels). Plain, retain_graph twice (the recompute) and a gradient penalty (double backward).
+    """
+    kernel = compiled.compiled_kernel(("test_ancestor_inputs",), _weighted)
+    x0 = torch.randn(6, 4, dtype=torch.float64)
+    results = []
+    for k in (None, kernel):
+        x = x0.clone().requires_grad_()
+        _router_and_experts(x, k).square().sum().backward()
+        plain = x.grad.clone()
+        x.grad = None
+        out = _router_and_experts(x, k).square().sum()
+        out.backward(retain_graph=True)
+        out.backward()
+        twice = x.grad.clone()
+        x.grad = None
+        (g,) = torch.autograd.grad(_router_and_experts(x, k).square().sum(), x, create_graph=True)
+        g.square().sum().backward()
+        results.append((plain, twice, x.grad.clone()))
+    assert kernel.functions, "the compiled kernel did not run"
+    for eager, patched in zip(*results, strict=True):
+        assert torch.allclose(patched, eager, rtol=1e-12, atol=1e-12)
+
+
 def test_no_compiler_falls_back_to_torch_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled, "find_cxx", lambda: None)
     the_plan = plan(tiny_for("qwen3"), "qwen3", device="cpu")

@@ -236,13 +236,22 @@ class _Trainable(torch.autograd.Function):
     the same math (within the compiled kernel's rounding), differentiable again, and it
     leaves the compiled graph unused for a last plain backward. Cost: one more autograd node
     per compiled call in training; nothing in inference.
+
+    Each graph inside the node starts at the node's inputs, never above them: the compiled one
+    at detached leaves, the recomputed one at a view of each input. Why: one input may be an
+    ancestor of another (an MoE's experts take the hidden states and the routing weights the
+    router computed from them), and a gradient taken with respect to the inputs themselves is
+    then the total derivative: it ran the router's backward inside this node (freeing its saved
+    tensors: the step's own backward then raised "Trying to backward through the graph a second
+    time") and would have counted the router's path twice.
     """
 
     @staticmethod
     def forward(ctx: Any, reference: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Any:
+        leaves = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
         with torch.enable_grad():
-            out = fn(*args)
-        ctx.reference, ctx.out = reference, out
+            out = fn(*leaves)
+        ctx.reference, ctx.out, ctx.leaves = reference, out, leaves
         ctx.args = tuple(_SAVED if isinstance(a, torch.Tensor) else a for a in args)
         ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
         return out.detach()
@@ -252,15 +261,16 @@ class _Trainable(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         args = [next(saved) if a is _SAVED else a for a in ctx.args]
         wanted = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        inputs = [args[i] for i in wanted]
         create = torch.is_grad_enabled()
         if create or ctx.out is None or torch._C._autograd._get_current_graph_task_keep_graph():
-            with torch.enable_grad():
+            with torch.enable_grad():  # views: differentiable back to the inputs (double backward), no path between them
+                args = [a.view_as(a) if i in wanted else a for i, a in enumerate(args)]
                 out = ctx.reference(*args)
-            grads = torch.autograd.grad(out, inputs, grad, create_graph=create, allow_unused=True)
+            grads = torch.autograd.grad(out, [args[i] for i in wanted], grad, create_graph=create, allow_unused=True)
         else:
             out, ctx.out = ctx.out, None  # its saved buffers are spent by this backward
-            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+            leaves, ctx.leaves = ctx.leaves, None
+            grads = torch.autograd.grad(out, [leaves[i] for i in wanted], grad, allow_unused=True)
         result: list[Any] = [None] * (2 + len(args))
         for i, g in zip(wanted, grads, strict=True):
             result[2 + i] = g
