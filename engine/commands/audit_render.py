@@ -30,8 +30,8 @@ def _word(c: dict[str, Any] | None) -> str:
     text = c.get("text", "").replace("|", "/").replace("\n", " ")
     if verdict == "passes":
         return f"passes ({text})"
-    if verdict == "not claimed":
-        return "not claimed"
+    if verdict in ("not claimed", "not run"):
+        return "not claimed" if verdict == "not claimed" else "not run yet"
     return f"**{verdict}**: {text}" if verdict == "differs" else f"{verdict}: {text}"
 
 
@@ -78,6 +78,8 @@ def _colour(c: dict[str, Any] | None) -> tuple[str, str]:
     """(face colour, hatch) of one cell."""
     if c is None or c["verdict"] == "not claimed":
         return "white", ""
+    if c["verdict"] == "not run":
+        return "white", "xx"
     verdict, ratio = c["verdict"], c.get("worst_ratio")
     if verdict in ("unchecked", "error"):
         return "#bdbdbd", "//" if verdict == "error" else ""
@@ -117,6 +119,7 @@ def render_png(data: dict[str, Any], path: Path) -> None:
               Patch(facecolor="#fc8d59", label="differs, 3-100x"), Patch(facecolor="#d73027", label="differs, > 100x"),
               Patch(facecolor="#bdbdbd", label="unchecked"), Patch(facecolor="#bdbdbd", hatch="//", label="patch raised"),
               Patch(facecolor="#eeeeee", hatch="..", label="changes nothing"),
+              Patch(facecolor="white", edgecolor="#999999", hatch="xx", label="not run yet"),
               Patch(facecolor="white", edgecolor="#999999", label="not claimed")]
     fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))

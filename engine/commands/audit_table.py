@@ -167,7 +167,8 @@ def _ask_claims(python: str, stack: str, extra: str | None = None) -> dict[str, 
 
 
 def _run_cells(python: str, stack: str, types: list[str], dtypes: tuple[str, ...], timeout: float,
-               log: Any, extra: str | None = None, cells_file: Path | None = None) -> list[dict[str, Any]]:
+               log: Any, extra: str | None = None, cells_file: Path | None = None, run: bool = True,
+               ) -> list[dict[str, Any]]:
     """Every (type, dtype) of ``stack`` in worker processes; a dead or silent worker costs its cell only.
 
     With ``cells_file``: the cells of ``stack`` already in it are taken from it (read now, so a run of
@@ -178,6 +179,10 @@ def _run_cells(python: str, stack: str, types: list[str], dtypes: tuple[str, ...
     pending = [(t, d) for t in types for d in dtypes if (t, d) not in known]
     if results:
         print(f"{stack}: {len(results)} cells from {cells_file}", file=log, flush=True)
+    if not run:  # the table of what is measured so far: the rest says so, and stays to run
+        return results + [{"stack": stack, "model_type": t, "dtype": d, "verdict": "not run",
+                           "text": "not measured yet (the command resumes from its cells file)", "seconds": 0.0}
+                          for t, d in pending]
 
     def record(data: dict[str, Any]) -> None:
         results.append(data)
@@ -257,13 +262,21 @@ def _append_cell(cells_file: Path | None, cell: dict[str, Any]) -> None:
         f.write(json.dumps(cell) + "\n")
 
 
+def _seconds(cells: list[dict[str, Any]], wall: float) -> float:
+    """The time cells took: the wall clock, or their own times' sum where they came from a cells file."""
+    return round(max(wall, sum(c.get("seconds", 0.0) for c in cells)), 1)
+
+
 def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] | None, timeout: float,
              log: Any = sys.stderr, paths: dict[str, str] | None = None, cells_file: Path | None = None,
-             ) -> dict[str, Any]:
+             run: bool = True) -> dict[str, Any]:
     """Claims, then every cell, then ours for every type any stack claims; returns the results file's content.
 
     ``pythons``: a stack's interpreter (default: this one); ``paths``: a folder put on that stack's
     ``PYTHONPATH`` (twinkle's venv has no liger-kernel: a folder linking this venv's gives it its liger fallbacks).
+    ``run=False``: audit nothing, only what ``cells_file`` holds (the rest ``not run``). The stacks' and
+    the whole table's times are then the sums of their cells' times, as they are when every cell came
+    from the file.
     """
     started = time.perf_counter()
     paths = paths or {}
@@ -275,15 +288,17 @@ def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] |
         types = [t for t in info[stack]["types"] if only is None or t in only]
         print(f"{stack}: {len(types)} model types ({python})", file=log, flush=True)
         stack_started = time.perf_counter()
-        cells += _run_cells(python, stack, types, DTYPES, timeout, log, extra, cells_file)
-        info[stack]["seconds"] = round(time.perf_counter() - stack_started, 1)
+        stack_cells = _run_cells(python, stack, types, DTYPES, timeout, log, extra, cells_file, run)
+        cells += stack_cells
+        info[stack]["seconds"] = _seconds(stack_cells, time.perf_counter() - stack_started)
     ours_info = _ask_claims(sys.executable, "patchset")
     union = sorted({c["model_type"] for c in cells if c["verdict"] != "not claimed"} & set(ours_info["types"]))
     ours_started = time.perf_counter()
-    cells += _run_cells(sys.executable, "patchset", union, DTYPES, timeout, log, cells_file=cells_file)
-    info["patchset"] = ours_info | {"python": sys.executable, "seconds": round(time.perf_counter() - ours_started, 1)}
+    ours = _run_cells(sys.executable, "patchset", union, DTYPES, timeout, log, cells_file=cells_file, run=run)
+    cells += ours
+    info["patchset"] = ours_info | {"python": sys.executable, "seconds": _seconds(ours, time.perf_counter() - ours_started)}
     options = [f"--python {k}={v}" for k, v in pythons.items()] + [f"--path {k}={v}" for k, v in paths.items()]
-    return {"generated_in_seconds": round(time.perf_counter() - started, 1), "stacks": info, "cells": cells,
+    return {"generated_in_seconds": _seconds(cells, time.perf_counter() - started), "stacks": info, "cells": cells,
             "command": " ".join(["python -m engine.commands.audit_table", *options])}
 
 
@@ -308,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", default=str(ROOT / ".audit-table" / "cells.jsonl"),
                         help="each finished cell is appended here; cells already here are not run again")
     parser.add_argument("--again", action="store_true", help="run every cell, even those in --cells")
+    parser.add_argument("--from-cells", action="store_true",
+                        help="audit nothing: the table of what --cells holds (the other cells 'not run')")
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker_main(args)
@@ -319,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.again:
         cells_file.unlink(missing_ok=True)
     data = generate(pythons, tuple(args.stacks.split(",")), args.types.split(",") if args.types else None, args.timeout,
-                    paths=paths, cells_file=cells_file)
+                    paths=paths, cells_file=cells_file, run=not args.from_cells)
     Path(args.results).write_text(json.dumps(data, indent=1) + "\n")
     render_png(data, Path(args.png))
     docs = Path(args.docs)
