@@ -138,11 +138,31 @@ def _kernels(row: dict[str, Any]) -> str:
     return ", ".join(f"{op} {'/'.join(sorted(k))}" for op, k in sorted(ops.items()))
 
 
-def render(summary: dict[str, Any], method: str) -> str:
-    """docs/hf_tests.md: ``method`` (how the runs were made), then the table and every difference."""
+def render(summary: dict[str, Any], method: str, families: list[str] | None = None) -> str:
+    """docs/hf_tests.md: ``method`` (how the runs were made), then the table and every difference.
+
+    ``families``: every bundled family with a test file (None where the test tree is not unpacked);
+    the page then says which of them the sweep has not reached in which whole-file mode, so a page of
+    a few rows never reads as the whole sweep.
+    """
     rows = summary["rows"]
     lines = [method.rstrip(), "", f"Environment of these results: {summary.get('environment', '-')}.", "",
-             "## Results", "",
+             "## Sweep status", ""]
+    if families is None:
+        lines.append("(Which families are not swept yet needs the unpacked test tree: `python tests/hf_suite/run.py "
+                     "setup`, then `render`.)")
+    else:
+        for mode in ("torch", "compiled"):
+            done = {r["family"] for r in rows if r["mode"] == mode and not r.get("selection")}
+            todo = [f for f in families if f not in done]
+            lines.append(f"- `{mode}`, whole files: {len(families) - len(todo)} of {len(families)} families swept"
+                         + (f"; not yet: {', '.join(todo)}" if todo else "") + ".")
+        done = {r["family"] for r in rows if r["mode"] == "interpret"}
+        lines.append(f"- `interpret`, its selection: {len(done & set(families))} of {len(families)} families.")
+        lines.append("")
+        lines.append("Resume with `nice -n 19 python tests/hf_suite/run.py sweep --jobs 2` (runs with results are "
+                     "kept); at 2-15 minutes per file and mode on 2 cores, the whole sweep is some 40-60 CPU hours.")
+    lines += ["", "## Results", "",
              "Per family and mode: passed / failed / skipped unpatched and patched (over the same tests), the",
              "models the tests built that were patched, the kernels they got, and the verdict (`same`: every",
              "test has the same outcome patched as unpatched).", "",

@@ -243,7 +243,8 @@ def render_page() -> None:
 
     summary = report.load(SUMMARY / "summary.json") if (SUMMARY / "summary.json").exists() else {"rows": []}
     ci = report.load(SUMMARY / "ci.json") if (SUMMARY / "ci.json").exists() else None
-    PAGE.write_text(report.render(summary, method(ci, CI_RUNS, SELECTIONS)), encoding="utf-8")
+    listed = families() if (TESTS_DIR / "tests").exists() else None
+    PAGE.write_text(report.render(summary, method(ci, CI_RUNS, SELECTIONS), listed), encoding="utf-8")
     print(f"wrote {PAGE.relative_to(ROOT)}")
 
 
