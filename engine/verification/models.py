@@ -67,11 +67,13 @@ def holding_device(model: nn.Module, offload: Offload = "auto") -> torch.device:
         return device
     if offload == "host":
         return torch.device("cpu")
-    return _present_device(offload)
+    return _present_device(offload, device)
 
 
-def _present_device(offload: Any) -> torch.device:
+def _present_device(offload: Any, model_device: torch.device) -> torch.device:
     """``offload`` as a device of this machine, else :class:`InvalidArgument` naming the setting and what is here.
+
+    A device of the kind the model is on is there by definition (the model's own ``meta``, say).
 
     Why: torch's own answers (``Expected one of cpu, cuda, ...`` for a typo, ``Torch not compiled
     with CUDA enabled`` for a device this machine lacks) came from deep inside the verification
@@ -86,6 +88,8 @@ def _present_device(offload: Any) -> torch.device:
     except (RuntimeError, TypeError, ValueError):
         raise InvalidArgument(f"verify(offload={offload!r}) is not a place to keep what verification compares: use "
                               f"{allowed} (present: {here})") from None
+    if target.type == model_device.type:
+        return target
     try:
         present = is_present(as_device(target.type))
     except (InvalidArgument, ValueError):
