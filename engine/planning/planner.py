@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -335,16 +336,34 @@ def _float_dtype(modules: Iterable[nn.Module]) -> torch.dtype | None:
 
 
 def _calls_name(cls: type, name: str) -> dict[str, Any] | None:
-    """The globals ``cls.forward`` resolves ``name`` in, if its code (through decorators) names it."""
-    forward = getattr(cls, "forward", None)
+    """The globals ``cls.forward`` resolves ``name`` in, if its code (through decorators) names it.
+
+    Through decorators: ``__wrapped__`` where the decorator set it, else the functions its closure
+    holds (transformers 5.15's ``force_accelerate_hooks`` wraps a forward without ``functools.wraps``).
+    """
+    pending = [getattr(cls, "forward", None)]
     seen = 0
-    while forward is not None and seen < 16:
+    while pending and seen < 16:
+        forward = pending.pop(0)
+        seen += 1
         code = getattr(forward, "__code__", None)
         if code is not None and name in code.co_names:
-            return forward.__globals__
-        forward = getattr(forward, "__wrapped__", None)
-        seen += 1
+            return forward.__globals__  # type: ignore[union-attr]
+        inner = getattr(forward, "__wrapped__", None)
+        if inner is not None:
+            pending.append(inner)
+        else:
+            cells = getattr(forward, "__closure__", None) or ()
+            pending += [c.cell_contents for c in cells if isinstance(_cell_value(c), types.FunctionType)]
     return None
+
+
+def _cell_value(cell: Any) -> Any:
+    """A closure cell's content; None for a cell not yet filled."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 def _plan_function_patch(
