@@ -88,6 +88,24 @@ class Run:
                 + (f"-k{hashlib.sha1(self.selection.encode()).hexdigest()[:8]}" if own else ""))
 
 
+#: Packages hidden from a family's runs (but in ``interpret`` mode, whose CUDA plan needs them). Why fla
+#: for the GatedDeltaNet families: transformers 5.15.1 wraps ``torch_chunk_gated_delta_rule`` in a
+#: fallback that imports fla whenever it is installed, GPU or not (``use_kernel_func_from_hub_with_
+#: fallback``), so on this CPU every forward, unpatched too, ran fla's Triton kernel and failed ("0 active
+#: drivers"), and the planner rightly found that no module calls the torch function it patches. Hidden, the
+#: layer calls the torch function, as it does on a CPU under 5.17 and later.
+HIDDEN: dict[str, tuple[str, ...]] = {"qwen3_next": ("fla",), "qwen3_5": ("fla",), "qwen3_5_moe": ("fla",)}
+
+
+def _hiding(packages: tuple[str, ...]) -> Path:
+    """A folder whose packages of these names fail to import (put first on the path)."""
+    folder = WORK / ("hidden-" + "-".join(packages))
+    for name in packages:
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "__init__.py").write_text(f'raise ImportError("{name} is hidden by the hf-suite")\n')
+    return folder
+
+
 #: The CI subset (``.ci/hf-suite``): every op and kernel provider at least once, not only llama-like
 #: families, within 15 minutes on 2 cores. Each family also gets one unpatched run of the union of
 #: its selections. Why these: qwen3 is the llama-like baseline (rms_norm, swiglu, rope; its forward
@@ -95,7 +113,9 @@ class Run:
 #: fused head with qwen3_flce, trained on labels); gemma3 brings geglu, 1 + w norms, the vision
 #: tower's layer_norm, and the gradient-checkpointing tests the compiled kernels once broke;
 #: qwen3_moe the experts and their experts_implementation switches (once ignored); qwen3_next
-#: gated_rms_norm, linear attention (decode too) and fla's gated norm interpreted.
+#: gated_rms_norm and linear attention (decode too), fla hidden (``HIDDEN``). fla's own kernels are not
+#: in this subset: under 5.15.1 a model of its families calls fla itself whenever fla is importable, so
+#: the unpatched baseline cannot run here; .ci/interpret runs them through the engine instead.
 _TRAIN = "test_training and not test_training_overfit and not test_training_gradient_checkpointing"
 _RETAIN = "test_retain_grad_hidden_states_attentions"
 CI_RUNS: tuple[Run, ...] = (
@@ -109,13 +129,12 @@ CI_RUNS: tuple[Run, ...] = (
     Run("qwen3_moe", "torch", f"test_eager_matches_batched_and_grouped_inference"
                               f" or {_TRAIN}"),
     Run("qwen3_next", "torch", f"{_TRAIN} or {_RETAIN} or test_generate_continue_from_past_key_values"),
-    Run("qwen3_next", "interpret", _RETAIN),
 )
 #: What the CI subset must have patched at least once (``op:kernel`` in some run's models).
 CI_MUST_COVER = {
     "ops": ("rms_norm", "gated_rms_norm", "layer_norm", "swiglu", "geglu", "rope", "moe_experts", "linear_attention",
             "fused_linear_cross_entropy"),
-    "kernels": ("torch", "compiled", "liger", "fla"),
+    "kernels": ("torch", "compiled", "liger"),
 }
 
 
@@ -170,7 +189,8 @@ def run(spec: Run, results: Path, *, threads: int | None = None) -> Path:
            "--timeout", str(TIMEOUT_S), "-o", "addopts=", "--rootdir", ".", "-c", os.devnull]
     if spec.selection:
         cmd += ["-k", spec.selection]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TF_DIR), str(ROOT), str(HERE)]),
+    hidden = [] if spec.mode == "interpret" else [str(_hiding(HIDDEN[spec.family]))] if spec.family in HIDDEN else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*hidden, str(TF_DIR), str(ROOT), str(HERE)]),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_SUITE_MODE": spec.mode, "HF_SUITE_OUT": str(out),
            "HF_SUITE_SELECTION": spec.selection, "PATCH_ENGINE_CACHE_DIR": str(results / "cache")}
     if spec.patchset:
