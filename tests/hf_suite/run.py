@@ -92,8 +92,7 @@ class Run:
 #: for the GatedDeltaNet families: transformers 5.15.1 wraps ``torch_chunk_gated_delta_rule`` in a
 #: fallback that imports fla whenever it is installed, GPU or not (``use_kernel_func_from_hub_with_
 #: fallback``), so on this CPU every forward, unpatched too, ran fla's Triton kernel and failed ("0 active
-#: drivers"), and the planner rightly found that no module calls the torch function it patches. Hidden, the
-#: layer calls the torch function, as it does on a CPU under 5.17 and later.
+#: drivers"). Hidden, the layer calls the torch function, as it does on a CPU under 5.17 and later.
 HIDDEN: dict[str, tuple[str, ...]] = {"qwen3_next": ("fla",), "qwen3_5": ("fla",), "qwen3_5_moe": ("fla",)}
 
 
