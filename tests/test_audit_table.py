@@ -26,7 +26,7 @@ def published(stack_title: str) -> dict[str, tuple[str, str, str]]:
     """``{model type: (fp32 verdict, bf16 verdict, ours)}`` from a stack's table in docs/audit.md."""
     text = (ROOT / "docs" / "audit.md").read_text()
     section = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    table = section.split(f"### {stack_title}\n", 1)[1].split("\n\n", 2)[1]
+    table = section.split(f"### {stack_title}\n", 1)[1].lstrip("\n").split("\n\n", 1)[0]
     rows = {}
     for line in table.splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
