@@ -15,18 +15,16 @@ the report says so.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from engine.auditing.adapters import Adapter, NotClaimed
+from engine.auditing.adapters.liger import triton_on_cpu
 from engine.auditing.adapters.stack_data import model_types_of_modules
 from engine.errors import MissingDependency
 from engine.foundation.versions import installed_version
@@ -95,19 +93,8 @@ def for_model_type(model_type: str) -> Adapter:
             kernelize(model, mode=Mode.TRAINING, device=device)
 
     return Adapter(f"hf-kernels {installed_version('kernels')}: kernelize(model, mode=TRAINING), RMSNorm -> LigerRMSNorm "
-                   "(local)", apply, environment=_triton_here, notes=notes)
+                   "(local)", apply, environment=triton_on_cpu, notes=notes)
 
 
 _NOTE = ("the mapping's repository loads the layer transformers maps (kernels-community/liger-kernels LigerRMSNorm) "
          "from the installed liger-kernel instead of the hub; its Triton kernel ran under Triton's interpreter")
-
-
-@contextlib.contextmanager
-def _triton_here(model: nn.Module) -> Iterator[Any]:
-    if next(model.parameters()).device.type != "cpu":
-        yield
-        return
-    from engine.kernels.triton_interpret import interpreting
-
-    with interpreting():
-        yield

@@ -49,7 +49,7 @@ def for_model_type(model_type: str) -> Adapter:
         fn(model=model)
 
     name = f"liger {installed_version('liger-kernel')}: {fn.__name__}(model=model)"
-    return Adapter(name, apply, environment=_triton_here, notes=[_NOTE])
+    return Adapter(name, apply, environment=triton_on_cpu, notes=[_NOTE])
 
 
 _NOTE = ("Liger's Triton kernels ran on this CPU under Triton's interpreter with the engine's shims "
@@ -57,8 +57,8 @@ _NOTE = ("Liger's Triton kernels ran on this CPU under Triton's interpreter with
 
 
 @contextlib.contextmanager
-def _triton_here(model: nn.Module) -> Iterator[None]:
-    """Triton's interpreter for a model on the CPU (Liger's kernels are Triton kernels); nothing on a GPU."""
+def triton_on_cpu(model: nn.Module) -> Iterator[None]:
+    """Triton's interpreter for a model on the CPU (Liger's kernels, and those HF kernels loads from it); nothing on a GPU."""
     if next(model.parameters()).device.type != "cpu":
         yield
         return
