@@ -76,24 +76,20 @@ def recording(
                 into[_path] = Recorded(*_held((args, {k: v for k, v in kwargs.items() if k != "labels"}), held))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    routers = []
-    for key in functions:
-        router = routing.acquire(*key)
 
-        def observe(args: Any, kwargs: Any, _key: tuple[str, str] = key) -> None:
-            if _key not in into:  # copies: a function called next may work in place
-                into[_key] = Recorded(*_held((clone_tensors(args), clone_tensors(kwargs)), held))
+    def observer_for(key: tuple[str, str]) -> Callable[[Any, Any], None]:
+        def observe(args: Any, kwargs: Any) -> None:
+            if key not in into:  # copies: a function called next may work in place
+                into[key] = Recorded(*_held((clone_tensors(args), clone_tensors(kwargs)), held))
 
-        router.observers.append(observe)
-        routers.append((router, observe, key))
+        return observe
+
     try:
-        yield
+        with routing.observing(functions, observer_for):
+            yield
     finally:
         for h in handles:
             h.remove()
-        for router, observe, key in routers:
-            router.observers.remove(observe)
-            routing.release(*key)
 
 
 def _held(value: tuple[Any, Any], held: torch.device | None) -> tuple[Any, Any]:

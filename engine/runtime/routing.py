@@ -30,9 +30,10 @@ code cannot read the context variable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -137,3 +138,29 @@ def release(namespace_name: str, name: str) -> None:
         del _ROUTERS[key]
         if router.namespace.get(name) is router.function:
             router.namespace[name] = router.original
+
+
+@contextlib.contextmanager
+def observing(
+    keys: Iterable[tuple[str, str]],
+    observer_for: Callable[[tuple[str, str]], Callable[[tuple[Any, ...], dict[str, Any]], None]],
+) -> Iterator[None]:
+    """Each function of ``keys`` routed while the block runs, ``observer_for(key)`` seeing each call's arguments.
+
+    The routers are acquired for the block and released after it (a router no patch holds is
+    removed), so nothing of the observation is left behind: what the scaffold's capture and the
+    audit's recording of the original both need.
+    """
+    attached: list[tuple[FunctionRouter, Callable[[tuple[Any, ...], dict[str, Any]], None], tuple[str, str]]] = []
+    try:
+        for key in keys:
+            router = acquire(*key)
+            observe = observer_for(key)
+            router.observers.append(observe)
+            attached.append((router, observe, key))
+        yield
+    finally:
+        for router, observe, key in attached:
+            router.observers.remove(observe)
+            release(*key)
+

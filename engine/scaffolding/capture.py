@@ -75,21 +75,19 @@ def capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], Any
             modules.setdefault(_path, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    routers = []
     named = model_functions(model)
-    for key in named:
-        router = routing.acquire(*key)
 
-        def observe(args: Any, kwargs: Any, _key: tuple[str, str] = key) -> None:
-            functions.setdefault(_key, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
+    def observer_for(key: tuple[str, str]) -> Callable[[Any, Any], None]:
+        def observe(args: Any, kwargs: Any) -> None:
+            functions.setdefault(key, (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)))
 
-        router.observers.append(observe)
-        routers.append((router, observe, key))
+        return observe
+
     from engine.verification.probes import probe_batch
 
     ids = probe_batch(model, seq=16)["input_ids"]
     try:
-        with torch.no_grad(), torch_path(model):
+        with routing.observing(named, observer_for), torch.no_grad(), torch_path(model):  # routed first, as before
             model(input_ids=ids)
             try:  # prefill then one cached token: reaches functions only decode calls
                 out = model(input_ids=ids[:, :-1], use_cache=True)
@@ -100,7 +98,4 @@ def capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], Any
     finally:
         for h in handles:
             h.remove()
-        for router, observe, key in routers:
-            router.observers.remove(observe)
-            routing.release(*key)
     return modules, {key: (value, functions.get(key)) for key, value in named.items()}
