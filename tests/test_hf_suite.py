@@ -73,6 +73,8 @@ def test_the_page_lists_every_difference_and_refusal() -> None:
     assert "| qwen3 | torch | 1 / 1 / 0 | 0 / 2 / 0 | 3 of 3 (2 refused) | rms_norm torch |" in page
     assert "`a`: passed unpatched, failed patched: AssertionError: x" in page
     assert "SignatureMismatch: act_fn: 2x" in page
+    assert "- qwen3 (torch) `b`: OSError: no hub" in page.split("## Failing unpatched too")[1]  # transformers'
+    assert "`a`" not in page.split("## Failing unpatched too")[1]  # a difference is not listed as transformers'
 
 
 def test_the_activation_switch_sets_the_family_default_in_configs_and_sub_configs() -> None:
@@ -87,3 +89,29 @@ def test_the_activation_switch_sets_the_family_default_in_configs_and_sub_config
     hf_suite_plugin._family_activation(gemma3)
     assert gemma3.text_config.hidden_activation == "gelu_pytorch_tanh"
     assert gemma3.vision_config.hidden_act == "gelu"  # siglip_vision_model: no bundled patchset, untouched
+
+
+def test_results_files_name_the_whole_file_and_other_selections_apart_from_the_modes_own() -> None:
+    """A whole-file run and the mode's own selection must not share a results file (a resumed sweep would
+    take one for the other)."""
+    import run
+
+    assert run.Run("mistral", "torch", run.SELECTIONS["torch"]).name == "mistral-torch"
+    assert run.Run("mistral", "torch").name == "mistral-torch-all"
+    other = run.Run("mistral", "torch", "test_save_load").name
+    assert other.startswith("mistral-torch-k") and other not in ("mistral-torch", "mistral-torch-all")
+    assert run.Run("qwen3", "interpret", run.INTERPRET_SELECTION, patchset="qwen3_flce").name == \
+        "qwen3-interpret-qwen3_flce"
+
+
+def test_the_sweep_status_counts_a_family_only_for_its_modes_selection_or_the_whole_file() -> None:
+    """A row of another selection (the CI's, a narrower -k) does not make a family swept in that mode."""
+    ok = _run({"t::a": ("passed", "")})
+    row = lambda family, mode, selection: {**report.summarize(family, mode, OFF, ok), "selection": selection}
+    summary = {"rows": [row("qwen3", "torch", "sweep"), row("llama", "torch", ""), row("gemma3", "torch", "narrow"),
+                        row("qwen3", "compiled", "narrow")]}
+    page = report.render(summary, "# title", ["gemma3", "llama", "qwen3"], {"torch": "sweep", "compiled": "train"})
+    assert "- `torch` (the sweep's selection; the whole file for 1): 2 of 3 families swept; not yet: gemma3." \
+        in page
+    assert "- `compiled` (the sweep's selection; the whole file for 0): 0 of 3 families swept" in page
+    assert "| llama | torch (whole file) |" in page and "| gemma3 | torch (-k: its own selection) |" in page

@@ -64,19 +64,35 @@ bundled patchset of its model type; then it compares the outcomes test by test.
 
 | mode | kernels | tests |
 |---|---|---|
-| `off` | none: the unpatched baseline (activations switched as above) | the whole file |
-| `torch` | the torch references (`PATCH_ENGINE_COMPILE=0`, what `auto` picks without a compiler) | the whole file |
-| `compiled` | the compiled (inductor) kernels on every call: `PATCH_ENGINE_COMPILE=1` and the measured rows rule forced down to one row (`engine.kernels.compiled.FORCED_ROWS = 1`), so the tests exercise the compiled code, not the reference it runs below the measured sizes | the whole file |
+| `off` | none: the unpatched baseline (activations switched as above), which every mode of the family is compared with | as `torch` |
+| `torch` | the torch references (`PATCH_ENGINE_COMPILE=0`, what `auto` picks without a compiler) | the whole file but `-k "{selections['torch']}"` (the whole file for llama, qwen3, gemma3, qwen3_moe, mistral) |
+| `compiled` | the compiled (inductor) kernels on every call: `PATCH_ENGINE_COMPILE=1` and the measured rows rule forced down to one row (`engine.kernels.compiled.FORCED_ROWS = 1`), so the tests exercise the compiled code, not the reference it runs below the measured sizes | `-k "{selections['compiled']}"` |
 | `interpret` | the CUDA plan (`apply(..., device="cuda")`): liger's and fla's Triton kernels run on the CPU tensors by Triton's interpreter, the whole session inside `engine.kernels.triton_interpret.interpreting()` | `-k "{selections['interpret']}"` |
 
-Why the interpret selection: the tests that train (a forward and a backward: the vendor kernels'
-backward is where a CUDA plan differs most from the torch one), gradient checkpointing in its
-non-reentrant form (torch stops the recompute early, through the kernels), and retained gradients
-of hidden states. Not `test_training_overfit` (hundreds of steps), nor the other checkpointing
-variants and `test_problem_types` (the same kernels again): interpreted, each Triton program runs
-in Python, and these take 1-4 minutes each (qwen3 on 2 busy cores: `test_training` 92 s, each
-checkpointing variant 120 s, with input gradients 239 s). The whole file would take hours
-interpreted, and its forwards are what the other two modes run. In fp32 the
+Why the `torch` mode leaves out two groups of tests (a row marked "whole file" ran them): they are
+most of a file's time and test no kernel a family has that the rest of the file does not. The
+`test_fsdp2_*` tests spawn two processes each (mistral: 6 tests, 71 of the file's 133 s) to shard
+the same patched modules the rest of the file runs; `test_generate_compilation_all_outputs` compiles
+`generate` (mistral: 45 s), where `test_generate_compile_model_forward_fullgraph`, kept, compiles the
+patched forward with `fullgraph`. The five families run whole cover the llama-like layout, `1 + w`
+norms with GeGLU and a vision tower, and experts; `sweep --whole` runs any other.
+
+Why the `compiled` selection: it is where compiled code meets autograd and torch's own machinery:
+training (a backward through the compiled kernels), every gradient-checkpointing variant (torch
+stops a non-reentrant recompute early by raising through the kernel: the bug this mode found),
+retained gradients of hidden states (`retain_graph`), and the experts' implementation switches.
+The rest of a file is forwards at new shapes, each compiled anew (seconds per kernel, for every
+dtype and padding variant); those forwards, and the patched forward inside a `fullgraph` compile,
+are what the `torch` mode runs.
+
+Why the interpret selection: one test per tester class, the retained gradients of hidden states: a
+forward and a backward of the base model (the vendor kernels' backward is where a CUDA plan differs
+most from the torch one), with the hidden states and attentions kept by `retain_grad`. Interpreted,
+each Triton program runs in Python: qwen3's `test_training` (the same kernels again under each head
+class) took 92 s and each gradient-checkpointing variant 120 s on 2 busy cores, and the whole file
+would take hours; its forwards are what the other two modes run. qwen3 also ran its training tests and
+non-reentrant checkpointing interpreted (a row with its own `-k`), and the CI subset trains qwen3 with
+the fused head interpreted. In fp32 the
 CUDA plan keeps liger's fused MoE and fla's chunk kernels off (`engine/_data/vendor_dtypes.yaml`),
 so those ops run their torch kernel in this mode too; the kernels column says what each row ran.
 
@@ -84,8 +100,9 @@ so those ops run their torch kernel in this mode too; the kernels column says wh
 
 ```bash
 python tests/hf_suite/run.py setup                 # transformers 5.15.1 + test deps into .hf-suite/, the tests unpacked
-nice -n 19 python tests/hf_suite/run.py sweep      # every family x off, torch, compiled, interpret; then this page
+nice -n 19 python tests/hf_suite/run.py sweep --jobs 2   # every family x off, torch, compiled, interpret; then this page
 nice -n 19 python tests/hf_suite/run.py sweep qwen3 gemma3 --modes torch,compiled --jobs 2
+python tests/hf_suite/run.py collect               # the summary and this page from the results at hand (runs nothing)
 python tests/hf_suite/run.py render                # this page again from benchmarks/results/hf_tests/
 bash .ci/hf-suite                                  # the CI subset below; exit 1 on any difference
 ```

@@ -77,7 +77,11 @@ def compare(off: dict[str, Any], patched: dict[str, Any]) -> dict[str, Any]:
         if not same:
             differences.append({"test": nodeid, "unpatched": a["outcome"], "patched": b["outcome"],
                                 "unpatched_message": a.get("message", ""), "message": message})
-    return {"unpatched": counts(base), "patched": counts(mine), "differences": differences}
+    failing = [{"test": k, "message": base[k].get("message", "")} for k in sorted(base)
+               if base[k]["outcome"] in ("failed", "error") and k in mine
+               and not any(d["test"] == k for d in differences)]
+    return {"unpatched": counts(base), "patched": counts(mine), "differences": differences,
+            "failing_both": failing}
 
 
 def problems(off: dict[str, Any] | None, patched: dict[str, Any]) -> list[str]:
@@ -138,30 +142,35 @@ def _kernels(row: dict[str, Any]) -> str:
     return ", ".join(f"{op} {'/'.join(sorted(k))}" for op, k in sorted(ops.items()))
 
 
-def render(summary: dict[str, Any], method: str, families: list[str] | None = None) -> str:
+def render(summary: dict[str, Any], method: str, families: list[str] | None = None,
+           selections: dict[str, str] | None = None) -> str:
     """docs/hf_tests.md: ``method`` (how the runs were made), then the table and every difference.
 
     ``families``: every bundled family with a test file (None where the test tree is not unpacked);
-    the page then says which of them the sweep has not reached in which whole-file mode, so a page of
-    a few rows never reads as the whole sweep.
+    the page then says which of them the sweep has not reached in which mode, so a page of a few rows
+    never reads as the whole sweep. ``selections``: each mode's sweep selection (a family counts as swept
+    in a mode with a row of that selection or of the whole file).
     """
     rows = summary["rows"]
+    selections = selections or {}
     lines = [method.rstrip(), "", f"Environment of these results: {summary.get('environment', '-')}.", "",
              "## Sweep status", ""]
     if families is None:
         lines.append("(Which families are not swept yet needs the unpacked test tree: `python tests/hf_suite/run.py "
                      "setup`, then `render`.)")
     else:
-        for mode in ("torch", "compiled"):
-            done = {r["family"] for r in rows if r["mode"] == mode and not r.get("selection")}
+        for mode in ("torch", "compiled", "interpret"):
+            mine = [r for r in rows if r["mode"] == mode and not r.get("patchset")]
+            whole = {r["family"] for r in mine if not r.get("selection")}
+            done = whole | {r["family"] for r in mine if selections.get(mode) and r.get("selection") == selections[mode]}
             todo = [f for f in families if f not in done]
-            lines.append(f"- `{mode}`, whole files: {len(families) - len(todo)} of {len(families)} families swept"
+            how = (f"the sweep's selection; the whole file for {len(whole & set(families))}"
+                   if selections.get(mode) else "the whole file")
+            lines.append(f"- `{mode}` ({how}): {len(families) - len(todo)} of {len(families)} families swept"
                          + (f"; not yet: {', '.join(todo)}" if todo else "") + ".")
-        done = {r["family"] for r in rows if r["mode"] == "interpret"}
-        lines.append(f"- `interpret`, its selection: {len(done & set(families))} of {len(families)} families.")
         lines.append("")
         lines.append("Resume with `nice -n 19 python tests/hf_suite/run.py sweep --jobs 2` (runs with results are "
-                     "kept); at 2-15 minutes per file and mode on 2 cores, the whole sweep is some 40-60 CPU hours.")
+                     "kept; `--whole` for whole files).")
     lines += ["", "## Results", "",
              "Per family and mode: passed / failed / skipped unpatched and patched (over the same tests), the",
              "models the tests built that were patched, the kernels they got, and the verdict (`same`: every",
@@ -170,8 +179,10 @@ def render(summary: dict[str, Any], method: str, families: list[str] | None = No
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         mode = row["mode"] + (f" ({row['patchset']})" if row.get("patchset") else "")
-        if row.get("selection"):
-            mode += " (-k)"
+        if not row.get("selection"):
+            mode += " (whole file)" if selections.get(row["mode"]) else ""
+        elif row["selection"] != selections.get(row["mode"]):
+            mode += " (-k: its own selection)"
         unpatched, patched = (_cell(row[k]) if k in row else "-" for k in ("unpatched", "patched"))
         lines.append(f"| {row['family']} | {mode} | {unpatched} | {patched} | {_models(row)} | {_kernels(row)} | "
                      f"{row['wall_s']:.0f} | {_verdict(row)} |")
@@ -186,6 +197,12 @@ def render(summary: dict[str, Any], method: str, families: list[str] | None = No
             test = d["test"].split("::", 1)[-1]
             lines.append(f"- `{test}`: {d['unpatched']} unpatched, {d['patched']} patched: {d['message'] or '-'}")
         lines.append("")
+    lines += ["", "## Failing unpatched too", "",
+              "Tests that fail the same way with and without the patches (same exception type): transformers' own",
+              "failures under this environment (the hub offline, no GPU, its own bugs), not the engine's:", ""]
+    failing = [(row, f) for row in rows for f in row.get("failing_both", [])]
+    lines += [f"- {row['family']} ({row['mode']}) `{f['test'].split('::', 1)[-1]}`: {f['message'][:200] or '-'}"
+              for row, f in failing] or ["None."]
     refusals = Counter()
     for row in rows:
         refusals.update({f"{row['family']} ({row['mode']}): {k}": v for k, v in row["models"]["refused"].items()})

@@ -6,6 +6,7 @@ Usage (from the repository root, inside the project's venv)::
     python tests/hf_suite/run.py sweep [FAMILY ...]         # every family (default) x every mode, then the page
     python tests/hf_suite/run.py sweep qwen3 --modes off,torch
     python tests/hf_suite/run.py ci                         # the CI subset (.ci/hf-suite); exit 1 on a difference
+    python tests/hf_suite/run.py collect                    # the summary and page from the results at hand
     python tests/hf_suite/run.py render                     # docs/hf_tests.md again from the committed summary
 
 Why a subprocess per file and mode: the mode is process-wide (the compiled kernels' switch and
@@ -57,18 +58,36 @@ MODES = ("off", "torch", "compiled", "interpret")
 #: Per test, pytest-timeout's limit: a hung test fails instead of stopping the sweep.
 TIMEOUT_S = 600
 
-#: The interpret mode runs these tests only: the ones that train (a forward and a backward: the liger
-#: and fla kernels' backward is where a CUDA plan differs most from the torch one), with gradient
-#: checkpointing in its non-reentrant form (torch's early stop of the recompute runs through the
-#: kernels), and the retained gradients of hidden states. Not ``test_training_overfit`` (hundreds of
-#: steps), nor the other checkpointing variants and ``test_problem_types`` (the same kernels again):
-#: interpreted, each Triton program runs in Python, and these take 1-4 minutes each (qwen3: 92 s
-#: ``test_training``, 120 s per checkpointing variant, 239 s with input gradients, on 2 busy cores).
-#: The rest of a file would take hours interpreted; its forwards are what the other modes run.
-INTERPRET_SELECTION = ("test_training and not test_training_overfit and not test_training_gradient_checkpointing"
-                       " or test_training_gradient_checkpointing_use_reentrant_false"
-                       " or test_retain_grad_hidden_states_attentions")
-SELECTIONS = {"interpret": INTERPRET_SELECTION}
+#: The interpret mode runs one test per tester class in the sweep: the retained gradients of hidden
+#: states, a forward and a backward of the base model (the liger and fla kernels' backward is where a
+#: CUDA plan differs most from the torch one), hidden states and attentions kept with ``retain_grad``.
+#: Interpreted, each Triton program runs in Python: qwen3's ``test_training`` (the same kernels under
+#: each head class) took 92 s, each gradient-checkpointing variant 120 s, on 2 busy cores; the whole file
+#: would take hours, and its forwards are what the other modes run. qwen3 ran more (training and the
+#: non-reentrant checkpointing, ``INTERPRET_MORE``), and the CI subset trains qwen3 with the fused head.
+INTERPRET_SELECTION = "test_retain_grad_hidden_states_attentions"
+INTERPRET_MORE = ("test_training and not test_training_overfit and not test_training_gradient_checkpointing"
+                  " or test_training_gradient_checkpointing_use_reentrant_false"
+                  " or test_retain_grad_hidden_states_attentions")
+#: The sweep's torch mode, and the unpatched run every mode of a family is compared with: the whole file but
+#: two groups of tests that are most of its time and test no kernel a family has that the rest of the file
+#: does not. ``test_fsdp2_*`` spawn two processes per test (mistral: 6 tests, 71 of the file's 133 s), to
+#: shard the same patched modules the rest of the file runs; ``test_generate_compilation_all_outputs``
+#: compiles generate (mistral: 45 s) where ``test_generate_compile_model_forward_fullgraph`` (kept, 4 s)
+#: compiles the patched forward with ``fullgraph``. Both ran in whole-file runs (llama, qwen3, gemma3,
+#: qwen3_moe, mistral: llama-like, 1 + w norms with geglu, and experts), and ``--whole`` runs them anywhere.
+SWEEP_SELECTION = "not test_fsdp2 and not test_generate_compilation_all_outputs"
+#: The compiled mode runs, with the compiled kernels forced on every call, the tests where compiled code
+#: meets autograd and torch's own machinery: training (a backward through the compiled kernels), every
+#: gradient-checkpointing variant (torch stops a non-reentrant recompute early by raising through the
+#: kernel: the bug this mode found), retained gradients of hidden states (``retain_graph``), and the
+#: experts' implementation switches. The rest of a file is forwards at new shapes: each compiles anew (a
+#: few seconds a kernel, for every dtype and padding variant), and its forwards are what the torch mode
+#: runs, the patched forward inside a ``fullgraph`` compile too.
+COMPILED_SELECTION = ("test_training and not test_training_overfit or test_retain_grad_hidden_states_attentions"
+                      " or test_eager_matches_batched_and_grouped_inference")
+SELECTIONS = {"off": SWEEP_SELECTION, "torch": SWEEP_SELECTION, "compiled": COMPILED_SELECTION,
+              "interpret": INTERPRET_SELECTION}
 
 
 @dataclass(frozen=True)
@@ -82,10 +101,12 @@ class Run:
 
     @property
     def name(self) -> str:
-        """The results file's name: a selection other than the mode's own adds a hash of it."""
-        own = self.selection and self.selection != SELECTIONS.get(self.mode, "")
-        return (f"{self.family}-{self.mode}" + (f"-{self.patchset}" if self.patchset else "")
-                + (f"-k{hashlib.sha1(self.selection.encode()).hexdigest()[:8]}" if own else ""))
+        """The results file's name: the whole file where the mode has a selection adds ``-all``; a selection
+        other than the mode's own adds a hash of it."""
+        suffix = ""
+        if self.selection != SELECTIONS.get(self.mode, ""):
+            suffix = f"-k{hashlib.sha1(self.selection.encode()).hexdigest()[:8]}" if self.selection else "-all"
+        return f"{self.family}-{self.mode}" + (f"-{self.patchset}" if self.patchset else "") + suffix
 
 
 #: Packages hidden from a family's runs (but in ``interpret`` mode, whose CUDA plan needs them). Why fla
@@ -222,14 +243,16 @@ def rows(specs: list[Run], results: Path, baseline: dict[str, Run] | None = None
     """A summary row for each patched run in ``specs``, compared with its family's unpatched run.
 
     The unpatched run is ``baseline[family]`` where given (the CI subset's union of selections), else the
-    unpatched run of the same selection where there is one, else the family's whole file unpatched.
+    unpatched run of the same selection where there is one, else the family's whole file unpatched, else
+    the sweep's (``SWEEP_SELECTION``: it holds every other mode's selection).
     """
     out = []
     for spec in specs:
         if spec.mode == "off":
             continue
         candidates = [baseline[spec.family]] if baseline else [Run(spec.family, "off", spec.selection),
-                                                               Run(spec.family, "off")]
+                                                               Run(spec.family, "off"),
+                                                               Run(spec.family, "off", SWEEP_SELECTION)]
         off_path = next((p for c in candidates if (p := results / f"{c.name}.json").exists()), None)
         off = report.load(off_path) if off_path else None
         row = report.summarize(spec.family, spec.mode, off, report.load(results / f"{spec.name}.json"))
@@ -263,7 +286,7 @@ def render_page() -> None:
     summary = report.load(SUMMARY / "summary.json") if (SUMMARY / "summary.json").exists() else {"rows": []}
     ci = report.load(SUMMARY / "ci.json") if (SUMMARY / "ci.json").exists() else None
     listed = families() if (TESTS_DIR / "tests").exists() else None
-    PAGE.write_text(report.render(summary, method(ci, CI_RUNS, SELECTIONS), listed), encoding="utf-8")
+    PAGE.write_text(report.render(summary, method(ci, CI_RUNS, SELECTIONS), listed, SELECTIONS), encoding="utf-8")
     print(f"wrote {PAGE.relative_to(ROOT)}")
 
 
@@ -298,6 +321,20 @@ def ci(results: Path, jobs: int) -> int:
     return 1 if failed or missing else 0
 
 
+def collect_results(results: Path) -> int:
+    """Every family's runs at hand (each mode's selection and the whole file) into the summary, then the page.
+
+    A sweep writes its own rows when it ends; this is for a sweep stopped before its end, or run in parts."""
+    setup()
+    specs = [spec for f in families() for m in MODES if m != "off"
+             for spec in (Run(f, m, SELECTIONS.get(m, "")), Run(f, m))
+             if (results / f"{spec.name}.json").exists()]
+    write_summary("summary", rows(list(dict.fromkeys(specs)), results))
+    render_page()
+    print(f"{len(specs)} runs collected")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -308,14 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--again", action="store_true", help="rerun runs that have results already")
     sweep.add_argument("-k", dest="select", default="",
                        help="a pytest -k selection for every mode (its rows say so; unpatched: the same selection)")
+    sweep.add_argument("--whole", action="store_true", help="every mode runs the whole file (no selection)")
     for p in (sweep, sub.add_parser("ci")):
         p.add_argument("--results", type=Path, default=RESULTS)
         p.add_argument("--jobs", type=int, default=1, help="pytest processes at a time (one per core)")
     sub.add_parser("render")
+    collect = sub.add_parser("collect", help="the summary and page from the results at hand (runs nothing)")
+    collect.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.command == "render":
         render_page()
         return 0
+    if args.command == "collect":
+        return collect_results(args.results)
     setup()
     if args.command == "setup":
         return 0
@@ -326,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(dict.fromkeys(["off", *args.modes.split(",")]))  # the unpatched run is every mode's baseline
     if unknown := [m for m in modes if m not in MODES]:
         parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
-    specs = [Run(f, m, args.select or SELECTIONS.get(m, "")) for f in (args.families or families()) for m in modes]
+    chosen = lambda mode: "" if args.whole else args.select or SELECTIONS.get(mode, "")
+    specs = [Run(f, m, chosen(m)) for f in (args.families or families()) for m in modes]
     run_all(specs, args.results, args.jobs, args.again)
     write_summary("summary", rows(specs, args.results))
     render_page()
