@@ -99,6 +99,28 @@ def test_apply_outside_the_range_self_verifies_once_then_applies_from_the_cache(
     assert _entries(cache) == [entry] and entry.stat().st_mtime_ns == stamp
 
 
+def test_a_model_built_on_the_meta_device_is_self_verified_on_a_tiny_model_of_its_own(tmp_path: Path, cache: Path) -> None:
+    """FSDP2's meta init and transformers' ``from_pretrained`` build a model inside ``torch.device("meta")``, its
+    dtype torch's default: the tiny model the release is verified on was built there too, failed ("Cannot copy out
+    of meta tensor"), and that failure was cached as the release's verdict, refusing every later apply."""
+    model = _tiny_qwen3().to("meta")
+    default = torch.get_default_dtype()
+    with torch.device("meta"):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            report, said = _apply(model, _written(tmp_path, _qwen3()))
+            assert torch.get_default_dtype() == torch.bfloat16 and torch.empty(1).device.type == "meta"  # restored
+        finally:
+            torch.set_default_dtype(default)
+    assert report.release.passed and report.release.checks > 0 and "verified there first: passed" in said[0], said
+    assert engine.is_patched(model) and len(report.patched) == 12
+    (entry,) = _entries(cache)
+    assert json.loads(entry.read_text())["passed"] is True
+    on_cpu = _tiny_qwen3()
+    report, _ = _apply(on_cpu, _written(tmp_path, _qwen3()))  # the cached verdict serves the CPU model too
+    assert report.release.cached and report.release.passed and engine.is_patched(on_cpu)
+
+
 def test_a_flipped_declaration_is_refused_with_the_finding_and_the_model_is_untouched(tmp_path: Path) -> None:
     data = _qwen3()
     data["patches"][0]["scale"] = "one_plus_weight"  # Qwen3RMSNorm scales by weight

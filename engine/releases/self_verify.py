@@ -28,6 +28,7 @@ from engine.planning.decisions import Plan
 from engine.runtime.control_flow import not_a_failure
 from engine.schema import Device, Patchset
 from engine.tiny import build_tiny_for
+from engine.tiny.construction import own_construction
 from engine.verification import verify
 from engine.verification.results import failure_message
 
@@ -92,7 +93,9 @@ def verify_on_this_release(model: nn.Module, plan: Plan, dtype: torch.dtype) -> 
     patchset = pinned(plan)
     label = "tiny model"
     try:
-        with warnings.catch_warnings():  # the tiny model's own warnings are not the user's (their model's come later)
+        # the tiny model's own warnings are not the user's (their model's come later); its tensors are made on its
+        # own device, not in the context the user's model is built in (a meta device: tiny/construction.py)
+        with warnings.catch_warnings(), own_construction(_tiny_device(model, plan)):
             warnings.simplefilter("ignore")
             tiny = build_tiny_for(patchset, dtype=dtype).to(_tiny_device(model, plan))
             label = f"tiny {tiny.config.model_type} ({type(tiny).__name__})"

@@ -148,6 +148,23 @@ def build_tiny_model(
 
     ``random_buffers``: a patchset's ``tiny_model.random_buffers`` (:func:`fill_random_buffers`).
     """
+    from engine.tiny.construction import own_construction
+
+    with own_construction("cpu"):  # not on the meta device of a model being built around it
+        return _build_tiny_model(model_type, config, dtype=dtype, seed=seed, perturb=perturb,
+                                 attn_implementation=attn_implementation, random_buffers=random_buffers)
+
+
+def _build_tiny_model(
+    model_type: str,
+    config: dict[str, Any] | None,
+    *,
+    dtype: torch.dtype,
+    seed: int,
+    perturb: bool,
+    attn_implementation: str | None,
+    random_buffers: Mapping[str, int | str] | None,
+) -> nn.Module:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     torch.manual_seed(seed)
@@ -271,8 +288,10 @@ def build_tiny_for(
     try:
         model = build_tiny_model(mt, config, dtype=dtype, seed=seed, random_buffers=tiny.random_buffers if tiny else None)
         from engine.runtime.hub_functions import torch_path
+        from engine.tiny.construction import own_construction
 
-        smoke = vision_only_inputs(model, batch=1) or {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+        with own_construction("cpu"):  # not on the meta device of a model being built around it
+            smoke = vision_only_inputs(model, batch=1) or {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
         with torch.no_grad(), torch_path(model):  # values that build but do not fit (heads vs kv heads) fail here
             model(**smoke)
     except InvalidArgument as exc:  # our own, from tiny_model.random_buffers: it names its key
