@@ -117,6 +117,76 @@ class Run:
 HIDDEN: dict[str, tuple[str, ...]] = {"qwen3_next": ("fla",), "qwen3_5": ("fla",), "qwen3_5_moe": ("fla",)}
 
 
+#: Packages stubbed for a family's runs: an import its test module needs that this machine cannot install.
+#: gemma4: 5.15.1's ``image_processing_gemma4`` imports ``torchvision.transforms.v2.functional`` unguarded,
+#: and the test module imports the processor, so without torchvision nothing is collected; the offline
+#: index has only CUDA builds of torchvision for torch 2.13 (they need ``libtorch_cuda``). Every module
+#: and name of the stub imports, and calling anything of it raises (only image processing would: the
+#: modeling tests that process images are the slow, skipped integration tests; a test that did would
+#: fail the same way unpatched).
+STUBBED: dict[str, tuple[str, ...]] = {"gemma4": ("torchvision",)}
+
+_STUB = '''"""A stub made by the hf-suite (tests/hf_suite/run.py, STUBBED): every submodule and name imports; a call raises."""
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+
+class _Missing:
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Missing(f"{self._name}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: a stub of the hf-suite ({__name__} is not installable here)")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _Module(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Missing(f"{self.__name__}.{name}")
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith(__name__ + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _Module(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+__version__ = "0.0.0"
+sys.meta_path.insert(0, _Finder())
+sys.modules[__name__].__class__ = _Module
+'''
+
+
+def _stubbing(packages: tuple[str, ...]) -> Path:
+    """A folder where each of ``packages`` imports as a stub (put first on the path)."""
+    folder = WORK / ("stubs-" + "-".join(packages))
+    for package in packages:
+        (folder / package).mkdir(parents=True, exist_ok=True)
+        (folder / package / "__init__.py").write_text(_STUB.replace("__name__ + \".\"", repr(package + ".")))
+    return folder
+
+
 def _hiding(packages: tuple[str, ...]) -> Path:
     """A folder whose packages of these names fail to import (put first on the path)."""
     folder = WORK / ("hidden-" + "-".join(packages))
@@ -210,6 +280,7 @@ def run(spec: Run, results: Path, *, threads: int | None = None) -> Path:
     if spec.selection:
         cmd += ["-k", spec.selection]
     hidden = [] if spec.mode == "interpret" else [str(_hiding(HIDDEN[spec.family]))] if spec.family in HIDDEN else []
+    hidden += [str(_stubbing(STUBBED[spec.family]))] if spec.family in STUBBED else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*hidden, str(TF_DIR), str(ROOT), str(HERE)]),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_SUITE_MODE": spec.mode, "HF_SUITE_OUT": str(out),
            "HF_SUITE_SELECTION": spec.selection, "PATCH_ENGINE_CACHE_DIR": str(results / "cache")}
