@@ -115,3 +115,14 @@ def test_the_sweep_status_counts_a_family_only_for_its_modes_selection_or_the_wh
         in page
     assert "- `compiled` (the sweep's selection; the whole file for 0): 0 of 3 families swept" in page
     assert "| llama | torch (whole file) |" in page and "| gemma3 | torch (-k: its own selection) |" in page
+
+
+def test_a_file_whose_every_test_skips_both_ways_is_no_test_not_a_pass_nor_a_harness_failure() -> None:
+    """llama4's 5.15.1 file holds only integration tests that need a large accelerator: nothing to compare."""
+    skip = {"t::a": ("skipped", "needs a large accelerator"), "t::b": ("skipped", "slow")}
+    row = report.summarize("llama4", "torch", _run(skip, mode="off", built=0, patched=0), _run(skip, built=0, patched=0))
+    assert row["problems"] == [] and "every test of the file skips here, both ways (2; first: needs a large" in row["no_tests"]
+    page = report.render({"rows": [row]}, "# title")
+    assert "| no test runs here (below) |" in page and "| same |" not in page
+    ran = report.summarize("llama4", "torch", OFF, _run({"t::a": ("passed", "")}, built=0, patched=0))
+    assert "nothing patched" in ran["problems"][0]  # a test ran on no patched model: still a harness failure

@@ -112,6 +112,11 @@ def summarize(family: str, mode: str, off: dict[str, Any] | None, patched: dict[
                            "problems": problems(off, patched)}
     if off is not None:
         row.update(compare(off, patched))
+    ran = [t for run in (off, patched) if run is not None for t in run["tests"].values() if t["outcome"] != "skipped"]
+    if patched["tests"] and not ran and patched["models"]["built"] == 0:  # a file of tests that need what is not here
+        first = next(iter(patched["tests"].values())).get("message", "")
+        row["no_tests"] = f"every test of the file skips here, both ways ({len(patched['tests'])}; first: {first})"
+        row["problems"] = [p for p in row["problems"] if not p.startswith("nothing patched")]
     return row
 
 
@@ -120,11 +125,26 @@ def _cell(c: dict[str, int]) -> str:
     return f"{c['passed']} / {c['failed']} / {c['skipped']}{extra}"
 
 
-def _verdict(row: dict[str, Any]) -> str:
+def cause_of(row: dict[str, Any], difference: dict[str, Any], causes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The attributed cause of a difference (``tests/hf_suite/causes.yaml``): same family, test and mode."""
+    test = difference["test"].split("::", 1)[-1]
+    for cause in causes:
+        if cause["family"] == row["family"] and test == cause["test"] and row["mode"] in cause.get("modes", [row["mode"]]):
+            return cause
+    return None
+
+
+def _verdict(row: dict[str, Any], causes: list[dict[str, Any]] | None = None) -> str:
     if row["problems"]:
         return "**harness failure**"
-    if row.get("differences"):
-        return f"**{len(row['differences'])} differ**"
+    if row.get("no_tests"):
+        return "no test runs here (below)"
+    differences = row.get("differences", [])
+    if differences:
+        found = [cause_of(row, d, causes or []) for d in differences]
+        if all(c is not None and c["owner"] == "transformers" for c in found):
+            return f"same but {len(differences)}: transformers' (below)"
+        return f"**{len(differences)} differ**"
     return "same"
 
 
@@ -143,14 +163,16 @@ def _kernels(row: dict[str, Any]) -> str:
 
 
 def render(summary: dict[str, Any], method: str, families: list[str] | None = None,
-           selections: dict[str, str] | None = None) -> str:
+           selections: dict[str, str] | None = None, causes: list[dict[str, Any]] | None = None) -> str:
     """docs/hf_tests.md: ``method`` (how the runs were made), then the table and every difference.
 
     ``families``: every bundled family with a test file (None where the test tree is not unpacked);
     the page then says which of them the sweep has not reached in which mode, so a page of a few rows
     never reads as the whole sweep. ``selections``: each mode's sweep selection (a family counts as swept
-    in a mode with a row of that selection or of the whole file).
+    in a mode with a row of that selection or of the whole file). ``causes``: differences shown to be
+    transformers' (``tests/hf_suite/causes.yaml``), each with its evidence.
     """
+    causes = causes or []
     rows = summary["rows"]
     selections = selections or {}
     lines = [method.rstrip(), "", f"Environment of these results: {summary.get('environment', '-')}.", "",
@@ -185,17 +207,20 @@ def render(summary: dict[str, Any], method: str, families: list[str] | None = No
             mode += " (-k: its own selection)"
         unpatched, patched = (_cell(row[k]) if k in row else "-" for k in ("unpatched", "patched"))
         lines.append(f"| {row['family']} | {mode} | {unpatched} | {patched} | {_models(row)} | {_kernels(row)} | "
-                     f"{row['wall_s']:.0f} | {_verdict(row)} |")
-    flagged = [r for r in rows if r.get("differences") or r["problems"]]
+                     f"{row['wall_s']:.0f} | {_verdict(row, causes)} |")
+    flagged = [r for r in rows if r.get("differences") or r["problems"] or r.get("no_tests")]
     lines += ["", "## Differences and harness failures", ""]
     if not flagged:
         lines.append("None: in every row above, each test has the same outcome patched as unpatched.")
     for row in flagged:
         lines += [f"### {row['family']}, {row['mode']}", ""]
         lines += [f"- harness: {p}" for p in row["problems"]]
+        lines += [f"- {row['no_tests']}"] if row.get("no_tests") else []
         for d in row.get("differences", []):
             test = d["test"].split("::", 1)[-1]
             lines.append(f"- `{test}`: {d['unpatched']} unpatched, {d['patched']} patched: {d['message'] or '-'}")
+            if cause := cause_of(row, d, causes):
+                lines.append(f"  - cause ({cause['owner']}'s): {cause['cause'].strip()} Evidence: {cause['evidence'].strip()}")
         lines.append("")
     lines += ["", "## Failing unpatched too", "",
               "Tests that fail the same way with and without the patches (same exception type): transformers' own",

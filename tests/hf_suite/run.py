@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report
 
@@ -357,7 +359,9 @@ def render_page() -> None:
     summary = report.load(SUMMARY / "summary.json") if (SUMMARY / "summary.json").exists() else {"rows": []}
     ci = report.load(SUMMARY / "ci.json") if (SUMMARY / "ci.json").exists() else None
     listed = families() if (TESTS_DIR / "tests").exists() else None
-    PAGE.write_text(report.render(summary, method(ci, CI_RUNS, SELECTIONS), listed, SELECTIONS), encoding="utf-8")
+    causes = yaml.safe_load((HERE / "causes.yaml").read_text(encoding="utf-8")) or []
+    PAGE.write_text(report.render(summary, method(ci, CI_RUNS, SELECTIONS), listed, SELECTIONS, causes),
+                    encoding="utf-8")
     print(f"wrote {PAGE.relative_to(ROOT)}")
 
 
