@@ -121,6 +121,16 @@ def test_a_model_built_on_the_meta_device_is_self_verified_on_a_tiny_model_of_it
     assert report.release.cached and report.release.passed and engine.is_patched(on_cpu)
 
 
+def test_self_verification_leaves_the_callers_random_state_as_it_was(tmp_path: Path) -> None:
+    """The tiny model is built seeded; the user's ``set_seed(42)`` must still decide their dropout and data order."""
+    model = _tiny_qwen3()
+    torch.manual_seed(42)
+    before = torch.get_rng_state()
+    report, said = _apply(model, _written(tmp_path, _qwen3()))
+    assert report.release.passed and not report.release.cached and "verified there first" in said[0]  # it ran
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_flipped_declaration_is_refused_with_the_finding_and_the_model_is_untouched(tmp_path: Path) -> None:
     data = _qwen3()
     data["patches"][0]["scale"] = "one_plus_weight"  # Qwen3RMSNorm scales by weight
