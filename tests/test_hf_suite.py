@@ -89,6 +89,9 @@ def test_the_activation_switch_sets_the_family_default_in_configs_and_sub_config
     hf_suite_plugin._family_activation(gemma3)
     assert gemma3.text_config.hidden_activation == "gelu_pytorch_tanh"
     assert gemma3.vision_config.hidden_act == "gelu"  # siglip_vision_model: no bundled patchset, untouched
+    pixtral = transformers.PixtralVisionConfig(hidden_act="gelu")  # the config's default; checkpoints say silu
+    hf_suite_plugin._family_activation(pixtral)
+    assert pixtral.hidden_act == "silu"  # what the pixtral patchset's tiny model declares
 
 
 def test_results_files_name_the_whole_file_and_other_selections_apart_from_the_modes_own() -> None:

@@ -120,16 +120,40 @@ def _event(kind: str, key: str = "", kernels: tuple[str, ...] = (), nodeid: str 
         getattr(STATS, kind)[key] += 1
 
 
+def _declared_activations() -> dict[str, dict[str, str]]:
+    """model type -> the activation fields its bundled patchset's ``tiny_model.config`` sets (the family's real one).
+
+    Why: the config class's default is not always what the family's checkpoints use: PixtralVisionConfig
+    defaults to ``gelu``, Pixtral checkpoints say ``silu``, and the pixtral patchset declares it there.
+    """
+    from engine.loader import load_patchset
+
+    found: dict[str, dict[str, str]] = {}
+    for model_type, name in PATCHSET_FOR.items():
+        tiny = load_patchset(name).tiny_model
+        if tiny is not None and (tiny.model_type or model_type) == model_type:
+            fields = {k: v for k, v in dict(tiny.config).items() if k in ACTIVATION_FIELDS and isinstance(v, str)}
+            if fields:
+                found[model_type] = fields
+    return found
+
+
+DECLARED_ACTIVATIONS = _declared_activations()
+
+
 def _family_activation(config: Any) -> None:
-    """Set the activation fields of ``config`` (and its sub-configs) to the family's own default."""
+    """Set the activation fields of ``config`` (and its sub-configs) to the family's own: the one its patchset's
+    tiny model declares, else the config class's default."""
     from transformers.configuration_utils import PreTrainedConfig
 
     if config.model_type in PATCHSET_FOR and dataclasses.is_dataclass(config):
+        declared = DECLARED_ACTIVATIONS.get(config.model_type, {})
         for field in dataclasses.fields(config):
             value = getattr(config, field.name, None)
-            if field.name in ACTIVATION_FIELDS and isinstance(field.default, str) and value != field.default:
-                setattr(config, field.name, field.default)
-                _event("activations", f"{config.model_type}.{field.name}: {value} -> {field.default}")
+            own = declared.get(field.name, field.default)
+            if field.name in ACTIVATION_FIELDS and isinstance(own, str) and value != own:
+                setattr(config, field.name, own)
+                _event("activations", f"{config.model_type}.{field.name}: {value} -> {own}")
     for key in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, key, None)
         if isinstance(sub, PreTrainedConfig):

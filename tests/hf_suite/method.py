@@ -47,9 +47,10 @@ bundled patchset of its model type; then it compares the outcomes test by test.
 - **Activations**: the testers' tiny configs mostly say `hidden_act="gelu"`, which every SwiGLU
   patchset rightly refuses. So in both runs, unpatched and patched, when a model is built each
   activation field (`hidden_act`, `hidden_activation`, `activation_function`) of its config and
-  sub-configs whose model type has a bundled patchset is set to the default of that config class,
-  the activation the family really uses (`silu` for Qwen3, `gelu_pytorch_tanh` for Gemma). The
-  switches made are listed at the end.
+  sub-configs whose model type has a bundled patchset is set to the activation the family really
+  uses: the one its patchset's tiny model declares (pixtral: `silu`, as Pixtral checkpoints say,
+  where `PixtralVisionConfig` defaults to `gelu`), else the default of that config class (`silu`
+  for Qwen3, `gelu_pytorch_tanh` for Gemma). The switches made are listed at the end.
 - **Judged against the unpatched run**, never against zero failures: some tests fail unpatched too
   (they need the hub, a GPU, or are transformers' own bugs). A test differs when its outcome
   differs, when it fails both times with another exception type, or when its subtests' outcomes
