@@ -28,7 +28,7 @@ from engine.planning.decisions import Plan
 from engine.runtime.control_flow import not_a_failure
 from engine.schema import Device, Patchset
 from engine.tiny import build_tiny_for
-from engine.tiny.construction import own_construction
+from engine.tiny.construction import callers_random_state, own_construction
 from engine.verification import verify
 from engine.verification.results import failure_message
 
@@ -94,10 +94,12 @@ def verify_on_this_release(model: nn.Module, plan: Plan, dtype: torch.dtype) -> 
     label = "tiny model"
     try:
         # the tiny model's own warnings are not the user's (their model's come later); its tensors are made on its
-        # own device, not in the context the user's model is built in (a meta device: tiny/construction.py)
-        with warnings.catch_warnings(), own_construction(_tiny_device(model, plan)):
+        # own device, not in the context the user's model is built in (a meta device: tiny/construction.py), and the
+        # user's random state is left as it was
+        device = _tiny_device(model, plan)
+        with warnings.catch_warnings(), own_construction(device), callers_random_state(device):
             warnings.simplefilter("ignore")
-            tiny = build_tiny_for(patchset, dtype=dtype).to(_tiny_device(model, plan))
+            tiny = build_tiny_for(patchset, dtype=dtype).to(device)
             label = f"tiny {tiny.config.model_type} ({type(tiny).__name__})"
             tiny.train(plan.mode == "training")
             # compiled code only where this model would run it (an fp32 training model: nowhere)

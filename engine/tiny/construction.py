@@ -17,26 +17,34 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["own_construction"]
+__all__ = ["callers_random_state", "own_construction"]
 
 
 @contextmanager
 def own_construction(device: torch.device | str = "cpu") -> Iterator[None]:
-    """New tensors on ``device``, fp32 by default, whatever device or default dtype the caller set; the caller's
-    random state as it was afterwards.
+    """New tensors on ``device``, fp32 by default, whatever device or default dtype the caller set.
 
     The innermost ``torch.device`` context decides where factory functions put tensors, so this one
-    wins over an enclosing ``torch.device("meta")``; the default dtype is restored on the way out. The
-    tiny model seeds torch (``build_tiny_model(seed=0)``): a self-verifying ``apply`` reseeded the user's
-    generator, so after ``set_seed(42)`` the dropout masks and data order of a patched run differed from
-    the unpatched one (a transformers test's random dummy inputs lost their padding under mllama).
+    wins over an enclosing ``torch.device("meta")``; the default dtype is restored on the way out.
     """
-    device = torch.device(device)
-    accelerators = [] if device.type in ("cpu", "meta") else [device.index or 0]
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
-        with torch.device(device), torch.random.fork_rng(devices=accelerators, device_type=device.type):
+        with torch.device(device):
             yield
     finally:
         torch.set_default_dtype(default)
+
+
+@contextmanager
+def callers_random_state(device: torch.device | str = "cpu") -> Iterator[None]:
+    """The caller's random state (CPU, and ``device``'s where it is an accelerator) as it was, afterwards.
+
+    Why: the tiny model is built seeded (``build_tiny_model(seed=0)``), and a self-verifying ``apply``
+    reseeded the user's generator, so after ``set_seed(42)`` the dropout masks and data order of a
+    patched run differed from the unpatched one.
+    """
+    device = torch.device(device)
+    accelerators = [] if device.type in ("cpu", "meta") else [device.index or 0]
+    with torch.random.fork_rng(devices=accelerators, device_type=device.type):
+        yield
