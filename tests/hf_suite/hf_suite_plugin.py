@@ -149,9 +149,11 @@ def _family_activation(config: Any) -> None:
     if config.model_type in PATCHSET_FOR and dataclasses.is_dataclass(config):
         declared = DECLARED_ACTIVATIONS.get(config.model_type, {})
         for field in dataclasses.fields(config):
+            if field.name not in ACTIVATION_FIELDS:  # others may refuse a read (Gemma 4's per-layer head_dim)
+                continue
             value = getattr(config, field.name, None)
             own = declared.get(field.name, field.default)
-            if field.name in ACTIVATION_FIELDS and isinstance(own, str) and value != own:
+            if isinstance(own, str) and value != own:
                 setattr(config, field.name, own)
                 _event("activations", f"{config.model_type}.{field.name}: {value} -> {own}")
     for key in getattr(config, "sub_configs", {}) or {}:
