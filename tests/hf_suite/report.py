@@ -220,7 +220,8 @@ def render(summary: dict[str, Any], method: str, families: list[str] | None = No
             test = d["test"].split("::", 1)[-1]
             lines.append(f"- `{test}`: {d['unpatched']} unpatched, {d['patched']} patched: {d['message'] or '-'}")
             if cause := cause_of(row, d, causes):
-                lines.append(f"  - cause ({cause['owner']}'s): {cause['cause'].strip()} Evidence: {cause['evidence'].strip()}")
+                owner = cause["owner"] + ("'" if cause["owner"].endswith("s") else "'s")
+                lines.append(f"  - cause ({owner}): {cause['cause'].strip()} Evidence: {cause['evidence'].strip()}")
         lines.append("")
     lines += ["", "## Failing unpatched too", "",
               "Tests that fail the same way with and without the patches (same exception type): transformers' own",
