@@ -129,3 +129,12 @@ def test_a_file_whose_every_test_skips_both_ways_is_no_test_not_a_pass_nor_a_har
     assert "| no test runs here (below) |" in page and "| same |" not in page
     ran = report.summarize("llama4", "torch", OFF, _run({"t::a": ("passed", "")}, built=0, patched=0))
     assert "nothing patched" in ran["problems"][0]  # a test ran on no patched model: still a harness failure
+
+
+def test_a_selection_that_holds_no_test_of_the_file_is_no_test_not_a_harness_failure() -> None:
+    """llama4's file has no training tests: the compiled mode's selection collects nothing (pytest exit 5)."""
+    empty = {**_run({}, built=0, patched=0), "mode": "compiled", "exitstatus": 5}
+    row = report.summarize("llama4", "compiled", OFF, empty)
+    assert row["problems"] == [] and "collected none" in row["no_tests"]
+    dead = {**_run({}, built=0, patched=0), "mode": "compiled", "exitstatus": 3}  # pytest itself failed
+    assert report.summarize("llama4", "compiled", OFF, dead)["problems"]

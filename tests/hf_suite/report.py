@@ -25,6 +25,7 @@ __all__ = ["compare", "load", "problems", "render", "summarize"]
 
 #: pytest's exit statuses that mean "the tests ran" (0: all passed, 1: some failed).
 FINISHED = (0, 1)
+NO_TESTS_COLLECTED = 5  # pytest's exit status when a -k selection matches no test of the file
 #: The outcomes counted in the table's columns.
 COLUMNS = ("passed", "failed", "skipped")
 
@@ -112,11 +113,17 @@ def summarize(family: str, mode: str, off: dict[str, Any] | None, patched: dict[
                            "problems": problems(off, patched)}
     if off is not None:
         row.update(compare(off, patched))
-    ran = [t for run in (off, patched) if run is not None for t in run["tests"].values() if t["outcome"] != "skipped"]
-    if patched["tests"] and not ran and patched["models"]["built"] == 0:  # a file of tests that need what is not here
-        first = next(iter(patched["tests"].values())).get("message", "")
-        row["no_tests"] = f"every test of the file skips here, both ways ({len(patched['tests'])}; first: {first})"
-        row["problems"] = [p for p in row["problems"] if not p.startswith("nothing patched")]
+    ran = [run["tests"][k] for run in (off, patched) if run is not None for k in patched["tests"]
+           if k in run["tests"] and run["tests"][k]["outcome"] != "skipped"]  # over the tests this run selected
+    if patched["models"]["built"] == 0 and not ran:
+        if patched["tests"]:  # a file of tests that need what is not here
+            first = next(iter(patched["tests"].values())).get("message", "")
+            row["no_tests"] = f"every test of the file skips here, both ways ({len(patched['tests'])}; first: {first})"
+            row["problems"] = [p for p in row["problems"] if not p.startswith("nothing patched")]
+        elif patched["exitstatus"] == NO_TESTS_COLLECTED:  # the selection holds none of the file's tests
+            row["no_tests"] = "the mode's selection holds no test of this file (pytest collected none)"
+            collected_none = f"pytest did not finish its {patched['mode']} run normally (exit status {NO_TESTS_COLLECTED})"
+            row["problems"] = [p for p in row["problems"] if not p.startswith("nothing patched") and p != collected_none]
     return row
 
 
