@@ -266,8 +266,12 @@ class GatedRmsNormOp(ModuleOp):
 
 
 def _gate_required(module: nn.Module, weight: torch.Tensor) -> bool:
-    """Whether the module's own forward refuses (raises on) a call without a gate."""
-    x = torch.randn(2, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+    """Whether the module's own forward refuses (raises on) a call without a gate.
+
+    Ones, not random numbers: whether it raises does not depend on the values, and a draw from the global
+    generator would move the caller's random state (the scaffold and the audit read this off live models).
+    """
+    x = torch.ones(2, weight.shape[-1], dtype=weight.dtype, device=weight.device)
     try:
         with torch.no_grad():
             type(module).forward(module, x, None)
