@@ -120,7 +120,7 @@ nothing or `engine.apply` crashed, or when some op (rms_norm, gated_rms_norm, la
 geglu, rope, moe_experts, linear_attention, the fused head) or kernel provider (torch, compiled,
 liger) was patched into no model. {ci_time}
 
-fla is hidden from the GatedDeltaNet families' runs (qwen3_next, qwen3_5, qwen3_5_moe; not in the
+fla is hidden from the GatedDeltaNet families' runs (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid; not in the
 `interpret` mode): transformers 5.15.1 wraps `torch_chunk_gated_delta_rule` in a fallback that calls fla
 whenever fla imports, GPU or not, so on a CPU every forward, unpatched too, ran fla's Triton kernel and
 failed ("0 active drivers"). Hidden, the layer calls the torch function, as on a CPU under 5.17 and later. fla's own kernels are
