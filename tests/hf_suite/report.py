@@ -234,7 +234,7 @@ def render(summary: dict[str, Any], method: str, families: list[str] | None = No
               "Tests that fail the same way with and without the patches (same exception type): transformers' own",
               "failures under this environment (the hub offline, no GPU, its own bugs), not the engine's:", ""]
     failing = [(row, f) for row in rows for f in row.get("failing_both", [])]
-    lines += [f"- {row['family']} ({row['mode']}) `{f['test'].split('::', 1)[-1]}`: {f['message'][:200] or '-'}"
+    lines += [f"- {row['family']} ({row['mode']}) `{f['test'].split('::', 1)[-1]}`: {' '.join(f['message'].split())[:200] or '-'}"
               for row, f in failing] or ["None."]
     refusals = Counter()
     for row in rows:
