@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.errors import InvalidArgument, PatchsetError, VersionMismatch
 from engine.runtime.release import bundled_covering, check_release
+from engine.tiny.construction import own_construction
 
 __all__ = [
     "build_tiny_for",
@@ -148,42 +149,26 @@ def build_tiny_model(
 
     ``random_buffers``: a patchset's ``tiny_model.random_buffers`` (:func:`fill_random_buffers`).
     """
-    from engine.tiny.construction import own_construction
-
-    with own_construction("cpu"):  # not on the meta device of a model being built around it
-        return _build_tiny_model(model_type, config, dtype=dtype, seed=seed, perturb=perturb,
-                                 attn_implementation=attn_implementation, random_buffers=random_buffers)
-
-
-def _build_tiny_model(
-    model_type: str,
-    config: dict[str, Any] | None,
-    *,
-    dtype: torch.dtype,
-    seed: int,
-    perturb: bool,
-    attn_implementation: str | None,
-    random_buffers: Mapping[str, int | str] | None,
-) -> nn.Module:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    torch.manual_seed(seed)
-    composite = is_composite(CONFIG_MAPPING[model_type])
-    config_cls, model_cls = _transformers_classes(model_type, composite)
-    kwargs = _composite_kwargs(config_cls, config or {}) if composite else tiny_config_kwargs(config)
-    cfg = config_cls(**kwargs)
-    if attn_implementation is not None:
-        cfg._attn_implementation = attn_implementation
-        for name in getattr(type(cfg), "sub_configs", None) or {}:
-            sub = getattr(cfg, name, None)
-            if sub is not None and hasattr(sub, "_attn_implementation"):
-                sub._attn_implementation = attn_implementation
-    model = model_cls._from_config(cfg) if hasattr(model_cls, "_from_config") else model_cls.from_config(cfg)
-    if perturb:
-        perturb_(model, seed=seed)
-    if random_buffers:
-        fill_random_buffers(model, random_buffers, seed=seed)
-    return model.to(dtype)
+    with own_construction("cpu"):  # not on the meta device of a model being built around it
+        torch.manual_seed(seed)
+        composite = is_composite(CONFIG_MAPPING[model_type])
+        config_cls, model_cls = _transformers_classes(model_type, composite)
+        kwargs = _composite_kwargs(config_cls, config or {}) if composite else tiny_config_kwargs(config)
+        cfg = config_cls(**kwargs)
+        if attn_implementation is not None:
+            cfg._attn_implementation = attn_implementation
+            for name in getattr(type(cfg), "sub_configs", None) or {}:
+                sub = getattr(cfg, name, None)
+                if sub is not None and hasattr(sub, "_attn_implementation"):
+                    sub._attn_implementation = attn_implementation
+        model = model_cls._from_config(cfg) if hasattr(model_cls, "_from_config") else model_cls.from_config(cfg)
+        if perturb:
+            perturb_(model, seed=seed)
+        if random_buffers:
+            fill_random_buffers(model, random_buffers, seed=seed)
+        return model.to(dtype)
 
 
 def fill_random_buffers(model: nn.Module, bounds: Mapping[str, int | str], *, seed: int = 0) -> None:
@@ -288,12 +273,10 @@ def build_tiny_for(
     try:
         model = build_tiny_model(mt, config, dtype=dtype, seed=seed, random_buffers=tiny.random_buffers if tiny else None)
         from engine.runtime.hub_functions import torch_path
-        from engine.tiny.construction import own_construction
 
-        with own_construction("cpu"):  # not on the meta device of a model being built around it
-            smoke = vision_only_inputs(model, batch=1) or {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
-        with torch.no_grad(), torch_path(model):  # values that build but do not fit (heads vs kv heads) fail here
-            model(**smoke)
+        # values that build but do not fit (heads vs kv heads) fail here; inputs on the CPU, whatever device context
+        with torch.no_grad(), torch_path(model), own_construction("cpu"):
+            model(**(vision_only_inputs(model, batch=1) or {"input_ids": torch.zeros(1, 4, dtype=torch.long)}))
     except InvalidArgument as exc:  # our own, from tiny_model.random_buffers: it names its key
         raise PatchsetError(str(exc), file=file, key="tiny_model.random_buffers") from exc
     except Exception as exc:  # whatever transformers' config, model __init__ or forward raises for these values

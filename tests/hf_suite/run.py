@@ -188,7 +188,7 @@ def _stubbing(packages: tuple[str, ...]) -> Path:
     folder = WORK / ("stubs-" + "-".join(packages))
     for package in packages:
         (folder / package).mkdir(parents=True, exist_ok=True)
-        (folder / package / "__init__.py").write_text(_STUB.replace("__name__ + \".\"", repr(package + ".")))
+        (folder / package / "__init__.py").write_text(_STUB)  # its ``__name__`` is the package's
     return folder
 
 
