@@ -39,6 +39,7 @@ from engine.errors import (
     VerdictCacheWarning,
     VerificationFailed,
     VersionMismatch,
+    ZeroConfigWarning,
 )
 from engine.foundation.moved import MOVED as _MOVED
 from engine.foundation.moved import install as _install_moved_paths
@@ -104,6 +105,7 @@ __all__ = [
     "VerificationFailed",
     "VerifyReport",
     "VersionMismatch",
+    "ZeroConfigWarning",
     "apply",
     "audit",
     "is_patched",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import verification
+from engine import verification, zeroconfig
 from engine.errors import InvalidArgument, VerificationFailed
 from engine.foundation.release_policy import resolve_policy
 from engine.patching.patcher import apply as _patch
@@ -60,15 +60,24 @@ def verify(model: nn.Module, patchset: Any = None, *, interpret: bool = False, *
 
 def apply(
     model: nn.Module,
-    patchset: Patchset | str | dict[str, Any],
+    patchset: Patchset | str | dict[str, Any] | None = None,
     *,
     device: str | Device | torch.device | None = None,
     mode: Mode | None = None,
     verify: bool | str | Mapping[str, Any] = False,
     fused_cross_entropy: Any = None,
     unverified_release: str | None = None,
+    strict: bool = False,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
+
+    No patchset (``None`` or ``"auto"``): zero configuration (:mod:`engine.zeroconfig`): the
+    bundled patchset of the model's type where there is one, else declarations measured on a
+    tiny copy of the model's own config and classes, verified there (cached) and applied where
+    verified; ``"measure"`` measures even where a bundled file exists. ``report.zero_config``
+    says what was measured, patched and left unpatched, and why; nothing to patch is a
+    :class:`~engine.errors.ZeroConfigWarning` (an error with ``strict=True``, as is a measured
+    declaration that failed verification).
 
     All checks run first (see :func:`engine.plan`); the model changes only if every one
     passes, and any failure while patching restores it. Applying the same patchset twice
@@ -100,9 +109,19 @@ def apply(
     """
     options = _verify_options(verify)  # bad options fail before the model changes
     policy = resolve_policy(unverified_release)
+    choice = None
+    if zeroconfig.is_zero_config(patchset):  # no patchset named: bundled for its type, else measured and verified
+        choice = zeroconfig.choose(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy,
+                                   strict=strict)
+        if choice.patchset is None:  # nothing verified to patch: the model is left as it is (a warning said so)
+            assert choice.empty is not None
+            return choice.empty
+        patchset = choice.patchset
     was_patched = is_patched(model)
-    # with verify=..., this model's own verification vouches for an unverified release (no tiny model)
-    gate = ReleaseGate(unwrap(model), verified_after=options is not None)
+    # with verify=..., this model's own verification vouches for an unverified release (no tiny model);
+    # measured declarations were verified on the tiny copy of this model already (engine.zeroconfig.verdict)
+    gate: Any = (choice.gate if choice is not None and choice.gate is not None
+                 else ReleaseGate(unwrap(model), verified_after=options is not None))
     report = _patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy,
                     unverified_release=policy, before_install=gate)
     if gate.outcome is not None:
@@ -119,6 +138,8 @@ def apply(
                 revert(model)
             raise
         gate.passed_on_model(report)
+    if choice is not None:
+        report.zero_config = choice.record
     return report
 
 

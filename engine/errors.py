@@ -30,6 +30,7 @@ __all__ = [
     "VerdictCacheWarning",
     "VerificationFailed",
     "VersionMismatch",
+    "ZeroConfigWarning",
 ]
 
 
@@ -173,3 +174,11 @@ class UnverifiedReleaseWarning(UserWarning):
 
 class VerdictCacheWarning(UserWarning):
     """The self-verification cache could not be read or written; the engine verified again instead."""
+
+
+class ZeroConfigWarning(UserWarning):
+    """``engine.apply(model)`` with no patchset patched nothing, or left measured declarations unpatched.
+
+    The report's ``zero_config`` says what was measured and why each is not patched; pass
+    ``strict=True`` to make it an error instead.
+    """

@@ -71,12 +71,15 @@ LAYERS: tuple[Layer, ...] = (
     Layer("release verification", ("engine.releases", "engine.releases.*"), False,
           "a transformers release outside a patchset's verified range: verified there on the tiny model before "
           "patching, the verdict cached on disk (key, cache, self-verification, the gate apply runs)"),
-    Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
-    Layer("integrations", ("engine.integrations", "engine.integrations.*"), False,
-          "the Trainer callback and the training stacks' plugins"),
     Layer("scaffolding", ("engine.scaffolding", "engine.scaffolding.*"), False,
           "the scaffold: every declaration measured on a tiny model, written as a patchset (its capture, its "
           "model from a checkpoint folder)"),
+    Layer("zero configuration", ("engine.zeroconfig", "engine.zeroconfig.*"), False,
+          "engine.apply(model) with no patchset: the bundled file of its type, else the scaffold's declarations "
+          "measured on a tiny copy of its own config and classes, verified there (verdict cached), with its report"),
+    Layer("facade", ("engine", "engine.api"), False, "engine.apply / plan / verify / revert: plan, patch, verify"),
+    Layer("integrations", ("engine.integrations", "engine.integrations.*"), False,
+          "the Trainer callback and the training stacks' plugins"),
     Layer("auditing", ("engine.auditing", "engine.auditing.*"), False,
           "the verifier on someone else's patch: the original measured before the patch, what the patch changed in "
           "the model and the process (restored after), each change judged and explained, the stacks' adapters"),

@@ -80,7 +80,8 @@ def _process() -> dict[str, Any]:
 
 def test_a_patch_that_changes_nothing_is_reported_as_such_never_as_passing(qwen3) -> None:
     report = audit(qwen3, lambda model: None)
-    assert report.verdict == "unchanged" and not report.rows and not report.model_checks
+    assert report.verdict == "unchanged" and not report.rows
+    assert report.model_checks and report.model_identical  # judged all the same: bit-identical
     assert "changed nothing this model runs" in report.summary()
 
 
@@ -96,7 +97,7 @@ def test_a_change_this_model_cannot_reach_is_listed_and_put_back_never_passed(qw
 
     before = modeling_llama.apply_rotary_pos_emb
     report = audit(qwen3, another_family)
-    assert report.verdict == "unchanged" and not report.model_checks
+    assert report.verdict == "unchanged" and report.model_identical
     assert [r.result for r in report.rows] == ["not in this model"]
     assert "does not reach" in report.summary()
     assert modeling_llama.apply_rotary_pos_emb is before
@@ -177,6 +178,14 @@ print(report.verdict, sorted(r.path for r in report.rows))
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "BloomMLP" in done.stdout and "dropout_add" in done.stdout
+
+
+def test_cli_audit_exit_codes_unchanged_and_could_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """0: passes or unchanged (bit-identical); 3: the patch raised (the stack's error), never 1 (differs)."""
+    assert main(["audit", "qwen3", "--with", "tests/test_audit_adversarial.py:copied_head"]) == 0
+    assert main(["audit", "qwen3", "--with", "tests/test_audit.py:half_then_raise"]) == 3
+    out = capsys.readouterr().out
+    assert "passes" in out and "error" in out
 
 
 def test_cli_audit_json_and_exit_code(capsys: pytest.CaptureFixture[str]) -> None:

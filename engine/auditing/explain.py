@@ -43,6 +43,7 @@ class Explanation:
     patched: str | None       # the declaration closest to the patched output
     text: str                 # one sentence for the report
     another: bool             # the patch computes another declaration than the original (a finding)
+    exact: bool = True        # the patch reproduces ``patched`` to the last bit (or one ulp of its dtype)
 
 
 def _settings(patch: Any) -> dict[str, Any]:
@@ -84,8 +85,41 @@ def _distance(a: Any, b: Any) -> tuple[float, float]:
     return (total / count if count else 0.0), worst
 
 
-def _decide(outputs: list[tuple[Any, Any]], expected: Any, got: Any, owner: str) -> Explanation | None:
-    """From ``(declaration, its output)`` pairs: what fits the original, what is closest to the patch."""
+def within_ulp(a: Any, b: Any) -> bool:
+    """Whether every element of ``a`` is within one ulp of ``b``'s (its dtype's spacing at ``b``'s magnitude)."""
+    for x, y in zip(tensors_of(a), tensors_of(b), strict=False):
+        if not isinstance(y, torch.Tensor):
+            continue
+        if not isinstance(x, torch.Tensor) or x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if not x.is_floating_point():
+            if not torch.equal(x, y):
+                return False
+            continue
+        yd = y.detach().double()
+        tiny = torch.finfo(y.dtype).tiny
+        spacing = torch.finfo(y.dtype).eps * torch.exp2(torch.floor(torch.log2(yd.abs().clamp_min(tiny))))
+        if bool(((x.detach().double() - yd).abs() > spacing).any()):
+            return False
+    return True
+
+
+def _own_error(expected: Any, truth: Any) -> float:
+    worst = 0.0
+    for o, t in zip(tensors_of(expected), tensors_of(truth), strict=False):
+        if isinstance(o, torch.Tensor) and isinstance(t, torch.Tensor) and o.shape == t.shape:
+            worst = max(worst, float((o.detach().double() - t.detach().double()).abs().max()) if o.numel() else 0.0)
+    return worst
+
+
+def _decide(outputs: list[tuple[Any, Any]], expected: Any, got: Any, owner: str,
+            truth: Any = None) -> Explanation | None:
+    """From ``(declaration, its output)`` pairs: what fits the original, what is closest to the patch.
+
+    A declaration is said to be what the patch computes only where it reproduces the patch's output
+    to the last bit or one ulp; otherwise the closest one is named with how far it still is, in units
+    of the original's own error against fp64 (``truth``).
+    """
     if not outputs:
         return None
     exact = [(p, o) for p, o in outputs if _distance(o, expected) == (0.0, 0.0)]
@@ -96,17 +130,26 @@ def _decide(outputs: list[tuple[Any, Any]], expected: Any, got: Any, owner: str)
         return None
     if not exact:
         return Explanation(None, describe(best), f"no declaration we know reproduces {owner} (closest to the patch: "
-                                                 f"{describe(best)})", False)
+                                                 f"{describe(best)})", False, exact=False)
     mine, mine_out = min(exact, key=lambda po: _distance(po[1], got))
     mine_err = _distance(mine_out, got)
     if any(p is best for p, _ in exact) or not best_err[0] < 0.5 * mine_err[0]:
-        return Explanation(describe(mine), describe(mine), f"computes what {owner} computes ({describe(mine)})", False)
-    how = "exactly" if best_err == (0.0, 0.0) else f"mean difference {best_err[0]:.2g} from it, {mine_err[0]:.2g} from the original's"
+        if within_ulp(got, mine_out):
+            return Explanation(describe(mine), describe(mine), f"computes what {owner} computes ({describe(mine)})",
+                               False)
+        noise = _own_error(expected, truth) if truth is not None else 0.0
+        off = f"{mine_err[1] / noise:.2g}x the original's own error" if noise else f"max {mine_err[1]:.2g}"
+        return Explanation(describe(mine), None, f"closest: {owner}'s own declaration ({describe(mine)}), still "
+                                                 f"{off} off (more than one ulp)", False, exact=False)
+    exactly = within_ulp(got, best_out)
+    how = ("exactly" if best_err == (0.0, 0.0) else "to one ulp" if exactly else
+           f"closest: mean difference {best_err[0]:.2g} from it, {mine_err[0]:.2g} from the original's")
     text = f"computes {describe(best, mine)} where {owner} computes {describe(mine, best)} ({how})"
-    return Explanation(describe(mine), describe(best), text, True)
+    return Explanation(describe(mine), describe(best), text, True, exact=exactly)
 
 
-def explain_module(module: nn.Module, args: Any, kwargs: Any, expected: Any, got: Any) -> Explanation | None:
+def explain_module(module: nn.Module, args: Any, kwargs: Any, expected: Any, got: Any,
+                   truth: Any = None) -> Explanation | None:
     """The explanation for one module: every op's candidate declarations, run on ``module`` (the unpatched one)."""
     outputs = []
     for op, patch in _module_candidates(module):
@@ -116,7 +159,7 @@ def explain_module(module: nn.Module, args: Any, kwargs: Any, expected: Any, got
         except Exception:  # noqa: BLE001, S112  (a declaration that cannot run on this module explains nothing)
             continue
         outputs.append((patch, out))
-    return _decide(outputs, expected, got, f"{type(module).__name__}.forward")
+    return _decide(outputs, expected, got, f"{type(module).__name__}.forward", truth)
 
 
 def _module_candidates(module: nn.Module) -> Iterator[tuple[ModuleOp, Any]]:
@@ -129,7 +172,7 @@ def _module_candidates(module: nn.Module) -> Iterator[tuple[ModuleOp, Any]]:
 
 
 def explain_function(name: str, original: Callable[..., Any], args: Any, kwargs: Any, expected: Any,
-                     got: Any) -> Explanation | None:
+                     got: Any, truth: Any = None) -> Explanation | None:
     """The explanation for one module-level function: every function op's candidate declarations."""
     outputs = []
     body = torch_body(original)
@@ -147,4 +190,4 @@ def explain_function(name: str, original: Callable[..., Any], args: Any, kwargs:
             except Exception:  # noqa: BLE001, S112
                 continue
             outputs.append((patch, out))
-    return _decide(outputs, expected, got, name)
+    return _decide(outputs, expected, got, name, truth)

@@ -167,6 +167,23 @@ class ProcessState:
                                                    table, key))
         return found
 
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The process as it was before the patch for the block, the patch's names put back in place after it.
+
+        Why: the original module's backward is measured while judging, and a process-wide patch (a
+        class's forward, a modeling module's function) would otherwise run inside the original.
+        """
+        undone = self.restore()
+        try:
+            yield
+        finally:
+            for change in undone:
+                if isinstance(change.holder, dict):
+                    _put(change.holder, change.key, change.after)
+                else:
+                    _put_attr(change.holder, change.key, change.after)
+
     def restore(self) -> list[ProcessChange]:
         """Put back every changed name (added ones deleted); returns what was put back."""
         undone = self.changes()

@@ -3,10 +3,12 @@
 Pure data and formatting. The verdicts, strongest first:
 
 * ``error``: the patch itself raised (the stack's error, quoted); nothing was judged;
-* ``unchanged``: the patch changed nothing this model runs (a process-wide change it cannot reach, such as
-  another family's function, is listed and put back, not judged): nothing is reported as passing;
-* ``differs``: a module, function or whole-model value is beyond the original's own rounding
-  error, or computes another declaration than the original (named);
+* ``unchanged``: no change found that this model runs (a process-wide change it cannot reach, such as
+  another family's function, is listed and put back) *and* the whole model's logits, loss and every
+  gradient are bit-identical to the original's (the whole model is always judged);
+* ``differs``: a module (forward or backward), function or whole-model value is beyond the original's
+  own rounding error, or computes another declaration than the original (named), or rounds more than
+  it; or the whole model is not bit-identical while every change found is (a change nothing names);
 * ``unchecked``: something the patch changed could not be run (a kernel that needs a device or an
   op nothing here emulates), and nothing differs;
 * ``passes``: everything the patch changed computes the original's numbers (bit-equal, or
@@ -68,15 +70,30 @@ class AuditReport:
         return [r for r in self.rows if r.result in ("same", "passes", "differs", "unchecked")]
 
     @property
+    def model_identical(self) -> bool:
+        """Logits, loss and every gradient bit-identical to the original's (the whole model was judged)."""
+        return bool(self.model_checks) and all(c.passed and c.max_abs == 0 for c in self.model_checks)
+
+    @property
+    def unseen(self) -> bool:
+        """The whole model computes otherwise while every change found is bit-equal (or none was found):
+        a change the detector cannot see, never a pass."""
+        seen = [r for r in self.rows if r.result != "not in this model"]
+        return (self.model_problem is None and not self.model_identical
+                and all(r.result == "same" for r in seen))
+
+    @property
     def verdict(self) -> str:
         if self.error is not None:
             return "error"
-        if all(r.result == "not in this model" for r in self.rows):  # nothing this model runs was changed
-            return "unchanged"
         if any(r.result == "differs" for r in self.rows) or any(not c.passed for c in self.model_checks):
             return "differs"
         if self.model_problem is not None or any(r.result == "unchecked" for r in self.rows):
             return "unchecked"
+        if self.unseen:
+            return "differs"
+        if all(r.result == "not in this model" for r in self.rows):  # nothing found, and bit-identical
+            return "unchanged"
         return "passes"
 
     @property
@@ -105,11 +122,17 @@ class AuditReport:
             return f"{head}: the patch raised {self.error}"
         if self.verdict == "unchanged":
             elsewhere = f" ({len(self.rows)} process-wide changes this model does not reach)" if self.rows else ""
-            return f"{head}: the patch changed nothing this model runs{elsewhere}, so nothing was judged"
+            return (f"{head}: the patch changed nothing this model runs{elsewhere}: logits, loss and every gradient "
+                    "are bit-identical to the original's")
         bad = [r for r in self.rows if r.result in ("differs", "unchecked")]
         failed = [c for c in self.model_checks if not c.passed]
-        parts = [f"{r.cls} {r.result}" + (f": {r.explanation}" if r.explanation else "") for r in _grouped(bad)]
+        parts = [f"{r.cls if r.cls not in ('-', 'function', 'config') else r.path} {r.result}"
+                 + (f": {r.explanation}" if r.explanation else "") for r in _grouped(bad)]
         parts += [f"{c.what} differs" for c in failed]
+        if self.unseen and not failed:
+            worst = max((c.max_abs for c in self.model_checks), default=0.0)
+            parts.append(f"the whole model's numbers are not the original's (max abs {worst:.2g}, within its rounding "
+                         "error) and no change found explains it: a change the detector cannot see")
         if self.model_problem:
             parts.append(f"whole model unchecked: {self.model_problem}")
         worst = self.worst_difference

@@ -10,8 +10,10 @@ The order is the point (docs/audit.md, "Why the original cannot be contaminated"
    (:class:`engine.auditing.process_state.ProcessState`), the model is deep-copied and the patch
    runs on the copy; a patch that raises is reported as the stack's error;
 3. **what changed** (:func:`engine.auditing.changes.find_changes`) is judged: each changed module
-   and function on its recorded inputs, the whole copy by the same logits, loss and gradient
-   checks as ``verify``; what differs is explained by the closest declaration we know;
+   and function on its recorded inputs (a module's backward too: :mod:`engine.auditing.backward`),
+   and **the whole copy, always**, by the same logits, loss and gradient checks as ``verify``,
+   whatever the detector found (a change it cannot see still moves those numbers); what differs is
+   explained by the closest declaration we know;
 4. **everything put back**: the copy is dropped (the model was never patched) and every watched
    name the patch rebound is restored, also when judging fails.
 """
@@ -28,12 +30,14 @@ import torch
 from torch import nn
 
 from engine.auditing.adapters import Adapter, resolve
-from engine.auditing.changes import find_changes
-from engine.auditing.judging import judge_change
+from engine.auditing.backward import judge_backward
+from engine.auditing.changes import find_changes, identities
+from engine.auditing.judging import judge_change, judge_registry
 from engine.auditing.process_state import ProcessState
 from engine.auditing.recording import Recorded, containers, measure, recording
 from engine.auditing.report import AuditReport
 from engine.auditing.whole_model import OriginalRun, judge_patched, measure_original
+from engine.runtime.hub_functions import torch_body
 from engine.runtime.wrappers import unwrap
 from engine.verification.compare import DTYPE_NAMES
 from engine.verification.models import holding_device
@@ -123,6 +127,7 @@ def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditRe
     state = ProcessState(extra_modules=classes)
     started = time.perf_counter()
     patched = copy.deepcopy(model)
+    copied = identities(patched)
     try:
         with adapter.environment(patched):
             try:
@@ -133,7 +138,7 @@ def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditRe
                 return report
             report.seconds["patch"] = round(time.perf_counter() - started, 2)
             started = time.perf_counter()
-            _judge(original, adapter, patched, state, report)
+            _judge(original, adapter, patched, state, report, copied)
             report.seconds["judge"] = round(time.perf_counter() - started, 2)
     finally:
         state.restore()
@@ -141,29 +146,34 @@ def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditRe
     return report
 
 
-def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: ProcessState, report: AuditReport) -> None:
+def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: ProcessState, report: AuditReport,
+           copied: dict[str, Any]) -> None:
+    """Each change found, then the whole model, always: detection says where to look, never whether to judge."""
     model = original.model
-    changes = find_changes(model, patched, state.changes(), original.functions, set(original.records))
-    if not changes:
-        return
+    process = state.changes()
+    changes = find_changes(model, patched, process, original.functions, set(original.records), copied)
     named, mine = dict(model.named_modules()), dict(patched.named_modules())
     device = next(model.parameters()).device
-    namespaces = {c.where: c.after for c in state.changes() if c.kind == "function"}
+    namespaces = {c.where: c.after for c in process if c.kind == "function"}
     for change in changes:
         if change.judged == "function":
             key = tuple(change.path.rsplit(".", 1))
             rec = original.records.get(key)
             row = judge_change(change, rec, adapter.function(patched, namespaces[change.path]),
                                original.functions[key], device)
+        elif change.judged == "through":  # the recorded caller run again: it reaches the rebound name by its globals
+            via = change.via
+            rec = original.records.get(via)
+            caller = mine.get(via) if isinstance(via, str) else torch_body(original.functions[via])
+            row = judge_change(change, rec, caller, named.get(via) if isinstance(via, str) else caller, device)
+        elif change.judged == "registry":
+            row = judge_registry(change, model, original.records, device)
         else:
             rec = original.records.get(change.path) if change.judged == "module" else None
             row = judge_change(change, rec, mine.get(change.path), named.get(change.path), device)
-        if change.kind == "registry entry":
-            row.note = (f"a registry entry, looked up by key while the model runs (this model's attention: "
-                        f"{getattr(model.config, '_attn_implementation', '?')}): judged by the whole-model checks")
+            if rec is not None and row.result in ("same", "passes") and _sampled(change, named):
+                _backward(row, mine.get(change.path), named.get(change.path), rec, device, state)
         report.rows.append(row)
-    if not any(c.judged != "none" for c in changes):
-        return
     try:
         checks = judge_patched(patched, original.batch, original.whole, original.held)
     except Exception as exc:  # noqa: BLE001  (a patched model that cannot run here is unchecked, never passed)
@@ -171,6 +181,27 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
         return
     report.model_checks = checks
     report.model_ratios = _model_ratios(checks)
+
+
+def _sampled(change: Any, named: dict[str, nn.Module]) -> bool:
+    """The first, middle and last module of each class and change get a backward check (each costs a module's
+    forward and backward three times: patched, original, fp64)."""
+    same = [p for p, m in named.items() if type(m).__name__ == change.cls]
+    index = same.index(change.path) if change.path in same else 0
+    wanted = {0, len(same) // 2, len(same) - 1}
+    return index in wanted
+
+
+def _backward(row: Any, patched: Any, original: Any, rec: Any, device: torch.device, state: ProcessState) -> None:
+    if not isinstance(patched, nn.Module) or not isinstance(original, nn.Module):
+        return
+    result = judge_backward(patched, original, rec, device, state.suspended)
+    if result.problem:
+        row.note = (row.note + "; " if row.note else "") + result.text()
+    elif result.differs:
+        row.result, row.note = "differs", result.text()
+        row.ratio = max(row.ratio or 0.0, *result.differs.values())
+        row.max_abs = max(row.max_abs or 0.0, result.max_abs)
 
 
 def _model_ratios(checks: Sequence[Any]) -> dict[str, float]:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import InvalidArgument
+from engine.errors import InvalidArgument, MissingDependency
 
 if TYPE_CHECKING:
     import torch
@@ -77,10 +78,14 @@ def run_audit(args: argparse.Namespace) -> int:
         raise InvalidArgument("audit needs --with PATCH (liger, twinkle, llamafactory-v1, hf-kernels, patchset:NAME, "
                               "MODULE:FUNCTION)")
     started = time.perf_counter()
-    if args.model_type and not (args.model or args.gguf):  # a bad --with is a usage error before anything is built
-        [resolve(p, args.model_type) for p in args.patches]
-    model, batch, source = build_model(args)
-    adapters = [resolve(p, str(model.config.model_type)) for p in args.patches]
+    try:
+        if args.model_type and not (args.model or args.gguf):  # a bad --with is a usage error before anything is built
+            [resolve(p, args.model_type) for p in args.patches]
+        model, batch, source = build_model(args)
+        adapters = [resolve(p, str(model.config.model_type)) for p in args.patches]
+    except MissingDependency as exc:  # the stack's package (or the checkpoint's reader) is not installed here
+        print(f"could not run: {exc}", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
     original = measure_first(model, batch)
     reports = audit_many(model, adapters, original=original)
     seconds = round(time.perf_counter() - started, 1)
@@ -94,12 +99,30 @@ def run_audit(args: argparse.Namespace) -> int:
         for report in reports:
             print()
             print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
-    return 0 if all(r.verdict in ("passes",) for r in reports) else 1
+    return exit_code([r.verdict for r in reports])
+
+
+#: ``audit``'s exit codes (``--help`` prints them): the verdicts a script can act on, and "could not run" apart.
+EXIT_PASSES, EXIT_DIFFERS, EXIT_USAGE, EXIT_COULD_NOT_RUN = 0, 1, 2, 3
+EXIT_HELP = ("exit codes: 0 every patch passes, or is unchanged (logits, loss and every gradient bit-identical to "
+             "the original's); 1 a patch differs (a module, function or whole-model value beyond the original's own "
+             "rounding error, another declaration, or a change nothing explains); 2 usage error; 3 could not run "
+             "(the stack's package is missing, the patch raised, or something it changed could not run here: "
+             "unchecked), and nothing differs")
+
+
+def exit_code(verdicts: list[str]) -> int:
+    """1 where any patch differs; else 3 where any could not be run or judged; else 0."""
+    if "differs" in verdicts:
+        return EXIT_DIFFERS
+    if any(v in ("error", "unchecked") for v in verdicts):
+        return EXIT_COULD_NOT_RUN
+    return EXIT_PASSES
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("audit", help="judge someone else's patch (Liger, LlamaFactory, twinkle, HF kernels, a function) "
-                                     "with the verifier")
+                                     "with the verifier", epilog=EXIT_HELP)
     p.add_argument("model_type", nargs="?", help="model type of the tiny model (or give --model / --gguf)")
     p.add_argument("--with", dest="patches", action="append", metavar="PATCH",
                    help="liger | twinkle | llamafactory-v1 | hf-kernels | patchset:NAME | MODULE:FUNCTION | "

@@ -27,6 +27,9 @@ class Report:
     #: the self-verification's verdict (:class:`engine.releases.ReleaseVerdict`) or, trusted, the
     #: :class:`~engine.foundation.release_policy.OutsideRange` itself; ``None`` inside the range.
     release: Any = None
+    #: ``engine.apply(model)`` with no patchset: what zero configuration chose, measured, verified and left
+    #: unpatched, and why (:class:`engine.zeroconfig.ZeroConfigReport`); ``None`` when a patchset was named.
+    zero_config: Any = None
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Report:
@@ -87,6 +90,7 @@ class Report:
             "compile_disabled": self.compile_disabled,
             "fullgraph_blocker": self.fullgraph_blocker,
             "release": _release_dict(self.release),
+            "zero_config": self.zero_config.to_dict() if self.zero_config is not None else None,
         }
 
     def summary_line(self) -> str:
@@ -107,6 +111,8 @@ class Report:
             verdict = "passed" if verification.passed else f"FAILED ({len(verification.failures)} checks)"
             verified = f"verification {verdict} ({len(verification.checks)} checks, {verification.seconds} s)"
         release = f"; {_release_line(self.release)}" if self.release is not None else ""
+        if self.zero_config is not None:
+            release += f"; {self.zero_config.summary()}"
         return (f"patch-engine: patchset {self.patchset!r} on {self.model_type} ({self.device}, {self.mode}): "
                 f"{len(self.patched)} patched, {len(self.skipped)} skipped; kernels {used}; {verified}{release}")
 
@@ -119,7 +125,8 @@ class Report:
             f"patchset {self.patchset!r}{from_files(self.files)} on {self.model_type} ({self.device}, {self.mode}): "
             f"{n} patched, {len(self.skipped)} skipped"
         )
-        text = head + (f"\n{_release_line(self.release)}" if self.release is not None else "") + "\n" + self.table()
+        text = head + (f"\n{_release_line(self.release)}" if self.release is not None else "")
+        text += (f"\n{self.zero_config}" if self.zero_config is not None else "") + "\n" + self.table()
         eager = self.compile_disabled
         if eager:
             text += (

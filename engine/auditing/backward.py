@@ -1,0 +1,106 @@
+"""A changed module's backward judged on its recorded inputs: which module's gradients differ, and in what.
+
+Why: a kernel whose forward computes the original's numbers can still return other gradients
+(a scaled or in-place backward: Liger's RMSNorm with ``in_place=True`` under twinkle's replacement
+overwrote the gradient it was given), and the whole-model gradient check says only that some
+gradient differs. Here the patched module and the original one each run forward and backward on
+the original's recorded inputs with the same cotangent; the gradients of every floating input and
+every parameter they share are judged as ``verify`` judges a kernel (bit-equal, or within ``k``
+times the original's own error against its fp64 truth: the original module in fp64 on the same
+inputs). The original runs with the process as it was before the patch
+(:meth:`engine.auditing.process_state.ProcessState.suspended`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.verification.compare import cast_floats, clone_tensors, judge, max_abs_diff, move_tensors, tensors_of
+from engine.verification.random_state import same_draws
+
+__all__ = ["BackwardResult", "judge_backward"]
+
+
+class BackwardResult:
+    """``differs``: the gradients that differ, by name, with their ratio to the original's own error."""
+
+    def __init__(self) -> None:
+        self.differs: dict[str, float] = {}
+        self.max_abs = 0.0
+        self.problem: str | None = None
+
+    def text(self) -> str:
+        if self.problem:
+            return f"backward unchecked: {self.problem}"
+        worst = sorted(self.differs.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"d{name} {ratio:.2g}x" for name, ratio in worst[:4])
+        return f"backward differs: {shown} the original's own error (forward as shown)"
+
+
+def _gradients(module: nn.Module, args: Any, kwargs: Any, cotangents: list[torch.Tensor] | None,
+               dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor | None], list[torch.Tensor]]:
+    """Forward and backward of ``module`` on copies of the inputs: gradients by name, and the outputs' shapes."""
+    a, k = clone_tensors(args), clone_tensors(kwargs)
+    if dtype is not None:
+        a, k = cast_floats(a, dtype), cast_floats(k, dtype)
+    inputs = [t for t in tensors_of((a, k)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for t in inputs:
+        t.requires_grad_(True)
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    with torch.enable_grad(), same_draws(module):
+        out = module(*a, **k)
+    outs = [o for o in tensors_of(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if cotangents is None:
+        gen = torch.Generator().manual_seed(1234)
+        cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+    if not outs:
+        return {}, cotangents
+    wrt = inputs + list(params.values())
+    grads = torch.autograd.grad(outs, wrt, [c.to(o.dtype).to(o.device) for c, o in zip(cotangents, outs, strict=False)],
+                                allow_unused=True)
+    names = [f"input{i}" for i in range(len(inputs))] + [n for n in params]
+    return {n: (g.detach() if g is not None else None) for n, g in zip(names, grads, strict=True)}, cotangents
+
+
+def judge_backward(patched: nn.Module, original: nn.Module, rec: Any, device: torch.device,
+                   original_process: Callable[[], contextlib.AbstractContextManager[Any]]) -> BackwardResult:
+    """The patched module's gradients against the original's (and its fp64 truth) on the recorded inputs."""
+    result = BackwardResult()
+    args, kwargs = move_tensors(rec.args, device), move_tensors(rec.kwargs, device)
+    try:
+        with original_process():
+            want, cot = _gradients(original, args, kwargs, None)
+            truth, _ = _gradients(copy.deepcopy(original).double(), args, kwargs, cot, torch.float64)
+    except Exception as exc:  # noqa: BLE001  (an original without a backward here: nothing to compare with)
+        result.problem = f"the original's backward raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        return result
+    try:
+        got, _ = _gradients(patched, args, kwargs, cot)
+    except Exception as exc:  # noqa: BLE001  (a kernel whose backward cannot run here: unchecked, never passed)
+        result.problem = f"the patched backward raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        return result
+    for name, w in want.items():
+        if w is None or name not in got:
+            continue  # a parameter the patched module does not have (a fused weight): the whole model judges it
+        g, t = got[name], truth.get(name)
+        if g is None:
+            result.differs[name] = float("inf")
+            continue
+        if g.shape != w.shape:
+            result.differs[name] = float("inf")
+            continue
+        diff = max_abs_diff(g, w)
+        result.max_abs = max(result.max_abs, diff)
+        if diff == 0:
+            continue
+        passed, _ = judge(g, w, t)
+        if not passed:
+            noise = max_abs_diff(w, t) if t is not None else 0.0
+            result.differs[name] = diff / noise if noise else float("inf")
+    return result

@@ -1,0 +1,114 @@
+"""Declarations measured on a tiny copy of a model, as an in-memory patchset, cached by what they depend on.
+
+The measurement is the scaffold's (:func:`engine.scaffolding.scaffold`: every declaration of
+every op tried on every module class and module-level function, kept only when it is bit-exact
+in fp32 and bf16 and no other is), run on :func:`engine.zeroconfig.tiny_copy.tiny_copy` of
+the user's model. The result is data, like a user's file: the rendered YAML, loaded by the
+same loader. It is cached on disk (beside the verdicts, :func:`engine.releases.cache_dir`)
+keyed by the classes' code, the shrunk config, the engine's code and the libraries' releases,
+so a training script measures once per release; what it measured is still verified (the
+verdict has its own key, :mod:`engine.zeroconfig.verdict`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from torch import nn
+
+from engine.errors import PatchError
+from engine.loader import load_patchset
+from engine.releases import VerdictStore, cache_dir
+from engine.releases.key import engine_fingerprint, library_versions
+from engine.schema import Patchset
+from engine.scaffolding import scaffold
+from engine.tiny.construction import callers_random_state
+from engine.zeroconfig.tiny_copy import code_identity, tiny_copy
+
+__all__ = ["Measured", "measure", "measurement_material"]
+
+#: Lines of the rendered patchset that say what was not patched, and why.
+_NOT_PATCHED = ("# not patched: ", "# tie, not patched: ", "# opt-in, not added: ")
+
+
+@dataclass
+class Measured:
+    """What the measurement found for one model: the patchset (every exact declaration) and the rest."""
+
+    patchset: Patchset | None  # None: nothing could be measured (``problem`` says why)
+    text: str  # the rendered patchset, with its comments ("" when nothing was measured)
+    not_patched: list[str] = field(default_factory=list)  # "OlmoLayerNorm (5 modules): why"
+    problem: str = ""  # why no measurement ran (the tiny copy could not be built, ...)
+    seconds: float = 0.0
+    cached: bool = False
+    cache_file: str | None = None
+
+
+def measurement_material(model: nn.Module) -> dict[str, Any]:
+    """Everything a measurement depends on, as data (stored in its cache entry and compared on read)."""
+    return {"measured": 1, **code_identity(model), "engine": engine_fingerprint(),
+            "libraries": dict(library_versions())}
+
+
+def _store() -> VerdictStore:
+    store = VerdictStore()
+    store.folder = cache_dir() / "measured-declarations"
+    return store
+
+
+def _from_text(text: str, model_type: str) -> Measured:
+    data = yaml.safe_load(text)
+    data["name"] = f"{data.get('name') or 'model'}.measured"
+    data.pop("tiny_model", None)  # verified on the tiny copy of the user's model, not one rebuilt from a type name
+    data["description"] = f"Declarations measured on a tiny copy of this {model_type} model (engine.apply(model))."
+    lines = [line.removeprefix(p) for line in text.splitlines() for p in _NOT_PATCHED if line.startswith(p)]
+    return Measured(load_patchset(data), text, not_patched=lines)
+
+
+def measure(model: nn.Module) -> Measured:
+    """Measure ``model``'s declarations on a tiny copy of it (or read them from the cache).
+
+    Never raises for a model it cannot measure: the returned :class:`Measured` has no patchset
+    and says why (the caller reports it, and patches nothing).
+    """
+    start = time.perf_counter()
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__)
+    try:
+        material = measurement_material(model)
+    except Exception as exc:  # noqa: BLE001  (a config that cannot be shrunk: reported, nothing measured)
+        return Measured(None, "", problem=f"its config cannot be shrunk to a tiny copy: {type(exc).__name__}: {exc}")
+    key = f"{model_type[:40]}-{hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]}"
+    key = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
+    store = _store()
+    with store.lock(key):
+        entry = store.read(key, material)
+        if entry is not None and isinstance(entry.get("text"), str):
+            try:
+                found = _from_text(entry["text"], model_type)
+            except PatchError:
+                found = None  # an entry this engine cannot load: measure again
+            if found is not None:
+                found.cached, found.cache_file = True, str(store.path(key))
+                found.seconds = round(time.perf_counter() - start, 3)
+                return found
+        try:
+            # the tiny copy's own warnings are not the user's, and the user's random state is left as it was
+            with warnings.catch_warnings(), callers_random_state("cpu"):
+                warnings.simplefilter("ignore")
+                tiny = tiny_copy(model)
+                text = scaffold(tiny).to_yaml()
+        except Exception as exc:  # noqa: BLE001  (whatever stops the measurement is reported, not raised)
+            return Measured(None, "", problem=f"measuring a tiny copy of {type(model).__name__} failed: "
+                                              f"{type(exc).__name__}: {str(exc).strip()[:500]}",
+                            seconds=round(time.perf_counter() - start, 3))
+        found = _from_text(text, model_type)
+        path = store.write(key, {"material": material, "passed": True, "finding": "", "text": text})
+        found.cache_file = str(path) if path is not None else None
+        found.seconds = round(time.perf_counter() - start, 3)
+        return found

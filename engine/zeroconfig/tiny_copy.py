@@ -1,0 +1,103 @@
+"""A tiny perturbed copy of a model, built from the model's *own* config class and model class.
+
+Why its own classes and not its type name: a ``trust_remote_code`` checkpoint, a family
+registered from outside transformers, or a renamed copy of one has a ``model_type`` that
+:func:`engine.tiny.build_tiny_model` cannot build (or builds as transformers' class of that
+name, which may compute something else). ``type(config).from_dict`` and
+``type(model)._from_config`` rebuild exactly the code the user runs, at the sizes of
+:data:`engine.tiny.BASE_KWARGS` and the size rules of :func:`engine.tiny.config.tiny_overrides`
+(the same rules ``patch-engine scaffold --model FOLDER`` shrinks a folder's config with).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import InvalidArgument
+from engine.tiny import BASE_KWARGS, perturb_
+from engine.tiny.config import tiny_overrides
+from engine.tiny.construction import own_construction
+
+__all__ = ["MAX_TINY_PARAMETERS", "code_identity", "shrunk_config", "tiny_copy"]
+
+#: A tiny copy larger than this means the size rules missed the config's own size keys: not measured.
+MAX_TINY_PARAMETERS = 50_000_000
+
+
+def _shrink(values: dict[str, Any]) -> dict[str, Any]:
+    sizes = {k: v for k, v in {**BASE_KWARGS, **tiny_overrides(values)}.items() if k in values}
+    return {**values, **sizes}
+
+
+def shrunk_config(config: Any) -> Any:
+    """A config of ``type(config)`` with its sizes (and those of its sub-configs: text, vision) shrunk."""
+    values = config.to_dict()
+    for name in getattr(type(config), "sub_configs", None) or {}:
+        sub = values.get(name)
+        if isinstance(sub, dict):
+            values[name] = _shrink(sub)
+    values = _shrink(values)
+    values.pop("transformers_version", None)
+    small = type(config).from_dict(values)
+    small._attn_implementation = "eager"
+    for name in getattr(type(small), "sub_configs", None) or {}:
+        sub = getattr(small, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            sub._attn_implementation = "eager"
+    return small
+
+
+def tiny_copy(model: nn.Module, *, seed: int = 0) -> nn.Module:
+    """``type(model)`` built from :func:`shrunk_config` of its config, fp32, perturbed, in training mode.
+
+    Raises :class:`InvalidArgument` where the classes cannot build a small model (the caller
+    reports it: nothing is measured then), naming the sizes it tried.
+    """
+    cls = type(model)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(cls, "_from_config"):
+        raise InvalidArgument(f"{cls.__name__} is no transformers PreTrainedModel (no config, no _from_config): "
+                              "nothing to build a tiny copy from; name a patchset")
+    small = shrunk_config(config)
+    with own_construction("cpu"):
+        with torch.device("meta"):
+            shape = cls._from_config(small)
+        count = sum(p.numel() for p in shape.parameters())
+        if count > MAX_TINY_PARAMETERS:
+            raise InvalidArgument(f"a tiny copy of {cls.__name__} would still have {count / 1e6:.0f}M parameters: "
+                                  "the size rules do not know its size keys")
+        torch.manual_seed(seed)
+        tiny = cls._from_config(small)
+    return perturb_(tiny.float(), seed=seed).train()
+
+
+def _source_digest(obj: Any) -> str:
+    """sha256 of the file a class is defined in (remote code: two checkpoints may share a class name)."""
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    try:
+        path = inspect.getsourcefile(module) if module is not None else None
+        data = open(path, "rb").read() if path else b""  # noqa: SIM115, PTH123
+    except (OSError, TypeError):
+        data = b""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def code_identity(model: nn.Module) -> dict[str, Any]:
+    """What a measurement depends on besides the release: the classes, their code, and the shrunk config."""
+    cls, config = type(model), model.config
+    small = shrunk_config(config).to_dict()
+    small.pop("transformers_version", None)
+    return {
+        "model_type": str(getattr(config, "model_type", "")),
+        "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "config_class": f"{type(config).__module__}.{type(config).__qualname__}",
+        "code": [_source_digest(cls), _source_digest(type(config))],
+        "config_sha256": hashlib.sha256(json.dumps(small, sort_keys=True, default=str).encode()).hexdigest(),
+    }

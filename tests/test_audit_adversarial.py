@@ -1,0 +1,183 @@
+"""``engine.audit`` against patches written to slip past it: each changes the model in a way the change detector
+used to miss, or one the whole model alone cannot locate; each must be found and the module named, and the exact
+variants must pass (docs/audit.md, "What the audit sees").
+
+Every global a patch here changes is changed on the audit's copy of the process state and put back by the audit
+itself; the tests check that too, and restore by hand in ``finally`` where they change something outside a patch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_for
+from torch import nn
+
+from engine.auditing import audit
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> nn.Module:
+    return tiny_for("qwen3").train()
+
+
+def _rows(report: Any, result: str = "differs") -> list[Any]:
+    return [r for r in report.rows if r.result == result]
+
+
+def flip_rotate_half(model: nn.Module) -> None:
+    """``rotate_half``'s sign flipped: no forward names it, ``apply_rotary_pos_emb`` reaches it by its globals."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    modeling_qwen3.rotate_half = lambda x: -torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def test_a_function_reached_only_through_another_functions_globals_differs_and_is_put_back(qwen3) -> None:
+    from transformers.models.qwen3 import modeling_qwen3
+
+    before = modeling_qwen3.rotate_half
+    report = audit(qwen3, flip_rotate_half)
+    assert modeling_qwen3.rotate_half is before
+    assert report.verdict == "differs"
+    [row] = [r for r in report.rows if r.path.endswith("modeling_qwen3.rotate_half")]
+    assert row.result == "differs" and "apply_rotary_pos_emb" in row.detail and row.max_abs > 0
+    assert not all(c.passed for c in report.model_checks)
+
+
+def scale_a_norm_in_place(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight.mul_(1.01)
+
+
+def test_a_weight_changed_in_place_differs_with_its_module_named(qwen3) -> None:
+    before = qwen3.model.layers[0].input_layernorm.weight.detach().clone()
+    report = audit(qwen3, scale_a_norm_in_place)
+    assert report.verdict == "differs"
+    [row] = [r for r in report.rows if r.change == "weights changed"]
+    assert row.path == "model.layers.0.input_layernorm" and row.result == "differs" and "weight values changed" in row.detail
+    assert torch.equal(qwen3.model.layers[0].input_layernorm.weight, before)
+
+
+def fresh_head(model: nn.Module) -> None:
+    head = model.lm_head
+    model.lm_head = nn.Linear(head.in_features, head.out_features, bias=False)
+
+
+def copied_head(model: nn.Module) -> None:
+    model.lm_head = copy.deepcopy(model.lm_head)
+
+
+def test_a_swapped_submodule_differs_and_an_exact_copy_passes(qwen3) -> None:
+    fresh = audit(qwen3, fresh_head)
+    assert fresh.verdict == "differs"
+    [row] = [r for r in fresh.rows if r.path == "lm_head"]
+    assert row.change == "submodule replaced" and row.result == "differs"
+    same = audit(qwen3, copied_head)
+    assert same.verdict == "passes", same.summary()
+    assert [r.result for r in same.rows] == ["same"] and same.model_identical
+
+
+def test_nothing_changed_is_unchanged_only_because_the_whole_model_is_bit_identical(qwen3) -> None:
+    report = audit(qwen3, lambda model: None)
+    assert report.verdict == "unchanged" and report.model_checks and report.model_identical
+    assert "bit-identical" in report.summary()
+
+
+def test_an_attention_entry_the_model_did_not_run_is_judged_on_the_attentions_inputs(qwen3) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert qwen3.config._attn_implementation == "eager"
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def scaled(model: nn.Module) -> None:
+        def attention(*args: Any, **kwargs: Any) -> Any:
+            out, weights = sdpa(*args, **kwargs)
+            return out * 1.5, weights
+
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+
+    def same(model: nn.Module) -> None:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda *a, **k: sdpa(*a, **k)
+
+    try:
+        wrong, right = audit(qwen3, scaled), audit(qwen3, same)
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
+    assert wrong.verdict == "differs"
+    [row] = [r for r in wrong.rows if r.change == "registry entry"]
+    assert row.result == "differs" and "'sdpa'" in row.path and "ran eager" in row.note
+    assert right.verdict == "passes" and [r.result for r in right.rows] == ["same"]
+
+
+def test_an_attention_entry_with_no_inputs_to_judge_it_on_is_unchecked_never_passed() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model = tiny_for("qwen3").train()
+    model.config._attn_implementation = "sdpa"  # sdpa runs: eager's inputs are never recorded
+    flash = ALL_ATTENTION_FUNCTIONS.get("flash_attention_2")
+
+    def replace(m: nn.Module) -> None:
+        ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = lambda *a, **k: (a[1], None)
+
+    try:
+        report = audit(model, replace)
+    finally:
+        if flash is not None:
+            ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = flash
+    assert ALL_ATTENTION_FUNCTIONS.get("flash_attention_2") is flash
+    [row] = [r for r in report.rows if r.change == "registry entry"]
+    assert row.result == "unchecked" and "never ran" in row.note
+    assert report.verdict == "unchecked"
+
+
+def _no_upcast(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def no_upcast(model: nn.Module) -> None:
+    import types
+
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3RMSNorm":
+            m.forward = types.MethodType(_no_upcast, m)
+
+
+def test_a_norm_without_its_upcast_in_bf16_differs_and_is_not_explained_as_the_original() -> None:
+    model = tiny_for("qwen3", dtype=torch.bfloat16).train()
+    report = audit(model, no_upcast)
+    norms = [r for r in report.rows if r.cls == "Qwen3RMSNorm"]
+    assert norms and report.verdict == "differs"
+    assert any(r.result == "differs" for r in norms)
+    assert not any(r.explanation.startswith("computes what") for r in norms)
+    assert any("closest" in r.explanation for r in norms)
+
+
+class _ScaledBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2.0
+
+
+def scaled_backward(model: nn.Module) -> None:
+    """The MLP's forward bit-equal to the original's, its input gradient doubled."""
+    import types
+
+    mlp = model.model.layers[1].mlp
+    forward = type(mlp).forward
+    mlp.forward = types.MethodType(lambda self, x: forward(self, _ScaledBackward.apply(x)), mlp)
+
+
+def test_a_difference_in_the_backward_only_names_the_module(qwen3) -> None:
+    report = audit(qwen3, scaled_backward)
+    [row] = [r for r in report.rows if r.path == "model.layers.1.mlp"]
+    assert row.result == "differs" and row.max_abs and "backward differs: dinput0" in row.note
+    assert report.verdict == "differs"

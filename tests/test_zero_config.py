@@ -1,0 +1,227 @@
+"""``engine.apply(model)`` with no patchset: the bundled file of its type, else measured, verified, applied.
+
+Every test builds a real tiny transformers model (perturbed weights), patches it with no
+configuration, and judges the patched model's logits, loss and gradients against the same
+model unpatched. The measured path is tested on types without a bundled patchset (forced with
+``"measure"`` where a bundled file may land later), on a family transformers does not know
+(a renamed copy of Qwen3's classes registered with the Auto classes), on remote code, and
+where measurement finds nothing to patch. A declaration that fails verification is dropped,
+never applied.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from training_helpers import grads, max_diff
+
+import engine
+from engine.errors import TargetNotFound, ZeroConfigWarning
+from engine.tiny import build_tiny_model, perturb_
+from engine.zeroconfig import bundled
+from engine.zeroconfig.verdict import verified_subset
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh verdict and measurement cache per test: each test measures and verifies for itself."""
+    monkeypatch.setenv("PATCH_ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _numbers(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # a training forward may draw (phimoe's router jitter): the same draws both ways
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), grads(model)
+
+
+def _assert_same_numbers(model: nn.Module, patched: nn.Module) -> None:
+    logits, loss, g = _numbers(model)
+    p_logits, p_loss, p_g = _numbers(patched)
+    assert (p_logits - logits).abs().max().item() <= TOL
+    assert abs(p_loss.item() - loss.item()) <= TOL
+    assert max_diff(g, p_g) <= 1e-4
+
+
+def _zero_config(model: nn.Module, patchset: str | None = None, **kwargs):  # type: ignore[no-untyped-def]
+    """Patch a copy of ``model`` with no configuration; assert it patched, verified, and computes the same."""
+    patched = copy.deepcopy(model)
+    report = engine.apply(patched, patchset, **kwargs)
+    assert report.patched, str(report)
+    assert engine.verify(patched, raise_on_failure=False).passed
+    _assert_same_numbers(model, patched)
+    return report
+
+
+def test_a_bundled_family_gets_its_bundled_patchset() -> None:
+    model = build_tiny_model("qwen3")
+    report = _zero_config(model)
+    assert report.patchset == "qwen3"
+    assert report.zero_config.source == "bundled" and report.zero_config.bundled == "qwen3"
+    assert "the bundled patchset 'qwen3'" in str(report)
+
+
+@pytest.mark.parametrize("model_type", ["olmo", "starcoder2", "phimoe", "cohere2"])
+def test_measured_declarations_patch_families_without_a_hand_written_map(model_type: str) -> None:
+    """``"measure"`` measures even where a bundled file exists (issue 41 bundles some of these)."""
+    model = build_tiny_model(model_type)
+    report = _zero_config(model, "measure")
+    zc = report.zero_config
+    assert zc.source == "measured" and zc.patched and not zc.failed
+    assert zc.verdict is not None and zc.verdict["checks"] > 0
+    assert report.patchset == f"{model_type}.measured"
+    # what is not patched is said, with its reason
+    assert all(":" in line for line in zc.not_patched)
+
+
+def test_the_second_apply_reads_the_measurement_and_the_verdict_from_the_cache() -> None:
+    model = build_tiny_model("olmo")
+    first = _zero_config(model, "measure")
+    second = _zero_config(model, "measure")
+    assert not first.zero_config.measure_cached and not first.zero_config.verdict["cached"]
+    assert second.zero_config.measure_cached and second.zero_config.verdict["cached"]
+    assert second.zero_config.patched == first.zero_config.patched
+
+
+def test_apply_measure_leaves_the_callers_random_state_alone() -> None:
+    model = build_tiny_model("olmo")
+    torch.manual_seed(42)
+    expected = torch.rand(3)
+    torch.manual_seed(42)
+    engine.apply(copy.deepcopy(model), "measure")
+    assert torch.equal(torch.rand(3), expected)
+
+
+# ------------------------------------------------------------------- a family transformers does not know
+
+
+@pytest.fixture
+def renamed_qwen3():  # type: ignore[no-untyped-def]
+    """Qwen3's classes under a new ``model_type``, registered with the Auto classes, unregistered after."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    class RenamedQwen3Config(Qwen3Config):
+        model_type = "renamed_qwen3"
+
+    class RenamedQwen3ForCausalLM(Qwen3ForCausalLM):
+        config_class = RenamedQwen3Config
+
+    AutoConfig.register("renamed_qwen3", RenamedQwen3Config)
+    AutoModelForCausalLM.register(RenamedQwen3Config, RenamedQwen3ForCausalLM)
+    try:
+        yield RenamedQwen3Config
+    finally:  # AutoConfig.register mutates global mappings
+        CONFIG_MAPPING._extra_content.pop("renamed_qwen3", None)
+        MODEL_FOR_CAUSAL_LM_MAPPING._extra_content.pop(RenamedQwen3Config, None)
+        bundled.bundled_types.cache_clear()
+
+
+def test_a_family_transformers_does_not_know_is_patched_with_no_configuration(renamed_qwen3) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    config = renamed_qwen3(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=256, head_dim=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = perturb_(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+    assert type(model).__name__ == "RenamedQwen3ForCausalLM"
+    report = _zero_config(model)
+    zc = report.zero_config
+    assert zc.source == "measured" and zc.model_type == "renamed_qwen3"
+    ops = {line.split(": ")[1].split(" ")[0] for line in zc.patched}
+    assert {"rms_norm", "swiglu", "rope"} <= ops, zc.patched
+
+
+# ------------------------------------------------------------------- remote code
+
+
+def test_a_remote_code_model_is_measured_on_its_own_code(tmp_path: Path) -> None:
+    from remote_checkpoint import isolated_modules_cache, load_checkpoint, write_checkpoint
+
+    with isolated_modules_cache(tmp_path):
+        model = load_checkpoint(write_checkpoint(tmp_path / "toyllama_ckpt"))
+        assert type(model).__module__.startswith("transformers_modules.")
+        report = _zero_config(model)
+        zc = report.zero_config
+        assert zc.source == "measured"
+        assert any(line.startswith("ToyRMSNorm: rms_norm") and "one_plus_weight" in line for line in zc.patched), zc.patched
+        engine.revert(model)
+
+
+# ------------------------------------------------------------------- nothing refused silently
+
+
+
+
+def _bare_model() -> nn.Module:
+    """A causal LM with nothing any op computes: an embedding and a linear head."""
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class BareConfig(PretrainedConfig):
+        model_type = "bare_lm"
+
+        def __init__(self, vocab_size: int = 64, hidden_size: int = 16, **kwargs):  # type: ignore[no-untyped-def]
+            self.vocab_size, self.hidden_size = vocab_size, hidden_size
+            super().__init__(**kwargs)
+
+    class BareLM(PreTrainedModel):
+        config_class = BareConfig
+
+        def __init__(self, config: BareConfig):
+            super().__init__(config)
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids=None, labels=None, **kwargs):  # type: ignore[no-untyped-def]
+            logits = self.head(torch.tanh(self.embed(input_ids)))
+            loss = None if labels is None else nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            return CausalLMOutput(loss=loss, logits=logits)
+
+    torch.manual_seed(0)
+    return perturb_(BareLM(BareConfig()))
+
+
+def test_a_model_with_nothing_to_patch_gets_a_report_and_a_warning_not_an_error() -> None:
+    model = _bare_model()
+    with pytest.warns(ZeroConfigWarning, match="patched nothing"):
+        report = engine.apply(model)
+    assert not report.patched and not engine.is_patched(model)
+    assert report.zero_config.source == "measured" and not report.zero_config.patched
+    assert "0 verified and applied" in str(report)
+    with pytest.raises(TargetNotFound, match="patched nothing"), warnings.catch_warnings():
+        engine.apply(model, strict=True)
+    assert not engine.is_patched(model)
+
+
+def test_a_declaration_that_fails_verification_is_dropped_and_the_rest_verified() -> None:
+    """The drop logic on real numbers: a flipped norm beside a correct MLP (as if measured)."""
+    model = build_tiny_model("qwen3")
+    measured = engine.load_patchset({"name": "flipped", "model_types": ["qwen3"], "patches": [
+        {"target": "Qwen3RMSNorm", "op": "rms_norm", "scale": "one_plus_weight"},
+        {"target": "Qwen3MLP", "op": "swiglu"},
+    ]})
+    verdict = verified_subset(model, measured, engine.plan(model, measured))
+    assert verdict.passed == [1]
+    assert set(verdict.failed) == {0} and "Qwen3RMSNorm" in verdict.failed[0]
+    again = verified_subset(model, measured, engine.plan(model, measured))
+    assert again.cached and again.passed == [1] and set(again.failed) == {0}
+
+
+def test_zero_config_report_has_a_json_form() -> None:
+    import json
+
+    report = engine.apply(copy.deepcopy(build_tiny_model("olmo")), "measure")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["zero_config"]["source"] == "measured" and data["zero_config"]["patched"]
