@@ -57,9 +57,8 @@ def measurement_material(model: nn.Module) -> dict[str, Any]:
 
 
 def _store() -> VerdictStore:
-    store = VerdictStore()
-    store.folder = cache_dir() / "measured-declarations"
-    return store
+    """The verdict store's hardened files (private folder, no symlinks, size cap, lock), under ``measured/``."""
+    return VerdictStore(cache_dir() / "measured")
 
 
 def _from_text(text: str, model_type: str) -> Measured:
