@@ -127,7 +127,7 @@ def baseline(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 @pytest.mark.slow
 @pytest.mark.parametrize(("adapter", "ours"), [
     ("full", {"patchset": "qwen3", "patchset_verify": True}),
-    ("lora", {"patchset_verify": True}),  # no `patchset:` key: the model's model_type, qwen3
+    ("lora", {"patchset_verify": True}),  # no `patchset:` key: zero configuration, the bundled qwen3
 ])
 def test_patched_losses_equal_unpatched(tiny, tmp_path, baseline, adapter, ours) -> None:
     losses, plugin, console = axolotl_train(config(tiny, tmp_path, adapter, **ours))

@@ -128,12 +128,7 @@ def renamed_qwen3():  # type: ignore[no-untyped-def]
 
 
 def test_a_family_transformers_does_not_know_is_patched_with_no_configuration(renamed_qwen3) -> None:  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    config = renamed_qwen3(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=256, head_dim=16, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = perturb_(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+    model = _renamed_tiny(renamed_qwen3)
     assert type(model).__name__ == "RenamedQwen3ForCausalLM"
     report = _zero_config(model)
     zc = report.zero_config
@@ -225,3 +220,41 @@ def test_zero_config_report_has_a_json_form() -> None:
     report = engine.apply(copy.deepcopy(build_tiny_model("olmo")), "measure")
     data = json.loads(json.dumps(report.to_dict()))
     assert data["zero_config"]["source"] == "measured" and data["zero_config"]["patched"]
+
+
+# ------------------------------------------------------------------- launchers: no patchset named
+
+
+def _renamed_tiny(config_class: type) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=256, head_dim=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return perturb_(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+
+
+def test_trainer_callback_with_no_name_measures_and_trains_like_unpatched(tmp_path: Path, renamed_qwen3) -> None:  # type: ignore[no-untyped-def]
+    """``PatchsetCallback()`` with no name on a type no bundled file covers: measured, verified, same losses."""
+    from transformers import Trainer, TrainingArguments
+
+    from engine.integrations.transformers import PatchsetCallback
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(0, 256, (16,), generator=gen)), "labels": ids.clone()} for _ in range(8)]
+
+    def losses(callbacks: list, out: str) -> tuple[list[float], nn.Module]:  # type: ignore[type-arg]
+        model = _renamed_tiny(renamed_qwen3)
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=4,
+                                 learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                 disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+        trainer.train()
+        return [row["loss"] for row in trainer.state.log_history if "loss" in row], model
+
+    reference, _ = losses([], "ref")
+    callback = PatchsetCallback()
+    patched, model = losses([callback], "cb")
+    assert engine.is_patched(model) and callback.report is not None
+    assert callback.report.zero_config.source == "measured" and callback.report.zero_config.patched
+    assert max(abs(a - b) for a, b in zip(reference, patched, strict=True)) <= TOL

@@ -4,7 +4,8 @@
 
     plugins:
       - engine.integrations.axolotl.PatchsetPlugin
-    patchset: qwen3                    # a bundled name or a path; absent: the model's model_type
+    patchset: qwen3                    # a bundled name or a path; absent or `auto`: zero configuration
+                                       # (the bundled file of the model's type, else measured and verified)
     patchset_verify: true              # or "sample"; default false
     patchset_fused_cross_entropy: true # or {kernel: ..., chunk_size: ...}; absent: the patchset's key
     patchset_unverified_release: verify  # or refuse, trust: a transformers outside the patchset's verified range
@@ -40,7 +41,7 @@ from pydantic import BaseModel, field_validator, model_validator
 from torch import nn
 
 from engine.api import apply, plan
-from engine.errors import InvalidArgument, PatchError, TrainerConflict
+from engine.errors import PatchError, TrainerConflict
 from engine.integrations.announce import announce
 from engine.integrations.stack_import import import_stack_module
 from engine.planning.report import Report
@@ -88,7 +89,9 @@ class PatchsetArgs(BaseModel):
     @classmethod
     def _loads(cls, value: str | None) -> str | None:
         """Load the patchset now, so a misspelt name or a schema error stops before the model loads."""
-        if value is not None:
+        from engine.zeroconfig import is_zero_config
+
+        if not is_zero_config(value):  # auto / measure: zero configuration, measured when the model is loaded
             from engine.loader import load_patchset
 
             try:
@@ -131,7 +134,7 @@ class PatchsetPlugin(BasePlugin):
 
     def post_model_load(self, cfg: Any, model: nn.Module) -> None:
         """Patch ``model`` for training; a refusal (or a failed verification) stops axolotl before step 1."""
-        patchset = _setting(cfg, "patchset") or _model_type(cfg, model)
+        patchset = _setting(cfg, "patchset")  # None / "auto": zero configuration (engine.zeroconfig)
         fused = _setting(cfg, "patchset_fused_cross_entropy")
         release = _setting(cfg, "patchset_unverified_release")
         _refuse_fused_head_under_trl(cfg, model, patchset, fused, release)
@@ -140,10 +143,15 @@ class PatchsetPlugin(BasePlugin):
         announce(self.report, line=LOG.info, detail=LOG.debug)
 
 
-def _refuse_fused_head_under_trl(cfg: Any, model: nn.Module, patchset: str, fused: Any, release: str | None) -> None:
+def _refuse_fused_head_under_trl(cfg: Any, model: nn.Module, patchset: str | None, fused: Any, release: str | None) -> None:
     """``rl:`` runs TRL's trainers, which compute the head themselves (see :mod:`engine.ops.trl_head`)."""
     rl = _setting(cfg, "rl")
     if not rl:
+        return
+    from engine.zeroconfig import resolve
+
+    patchset = resolve(unwrap(model), patchset, mode="training", fused_cross_entropy=fused)
+    if patchset is None:  # zero configuration found nothing to patch: no head either
         return
     the_plan = plan(unwrap(model), patchset, mode="training", fused_cross_entropy=fused, unverified_release=release)
     if any(d.op == "fused_linear_cross_entropy" for d in the_plan.patched):
@@ -157,13 +165,3 @@ def _setting(cfg: Any, key: str) -> Any:
     if isinstance(cfg, dict):
         return cfg.get(key)
     return getattr(cfg, key, None)
-
-
-def _model_type(cfg: Any, model: nn.Module) -> str:
-    """No ``patchset:`` key: the bundled patchset named after the model's ``model_type``."""
-    config = getattr(model, "config", None)
-    model_type = _setting(cfg, "model_config_type") or getattr(config, "model_type", None)
-    if not model_type:
-        raise InvalidArgument("engine.integrations.axolotl.PatchsetPlugin: no `patchset:` key and no model_type "
-                         "to name one after; add `patchset: NAME` to the config")
-    return str(model_type)

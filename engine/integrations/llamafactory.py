@@ -8,7 +8,8 @@ This module registers a plugin under the name ``patch_engine``, so the user's YA
 
     kernel_config:
       name: patch_engine
-      patchset: qwen3          # optional: a bundled name or a path; default: the model's model_type
+      patchset: qwen3          # optional: a bundled name or a path; absent or `auto`: zero configuration
+                               # (the bundled file of the model's type, else measured and verified)
       verify: true             # optional (default false): check each patched module once, before step 1
       unverified_release: verify  # optional: verify (default), refuse or trust a transformers outside the
                                   # patchset's verified range (engine.apply's unverified_release)
@@ -69,7 +70,7 @@ LOGGER = "llamafactory.v1.plugins.patch_engine"
 class Settings:
     """What the plugin applies, read from ``kernel_config`` by :func:`configure`."""
 
-    patchset: Any  # a loaded Patchset, or None: the bundled patchset named after the model's model_type
+    patchset: Any  # a loaded Patchset, or None / "auto" / "measure": zero configuration (engine.zeroconfig)
     verify: bool
     mode: str  # "training" or "inference"
     unverified_release: str | None = None  # engine.apply's policy; None: the environment's, else verify
@@ -123,7 +124,9 @@ def configure(kernel_config: Mapping[str, Any] | None, *, training: bool) -> Set
     if release is not None:
         resolve_policy(release, setting=f"{where}: unverified_release")
     name = kernel_config.get("patchset")
-    patchset = None if name is None else load_patchset(name)
+    from engine.zeroconfig import is_zero_config
+
+    patchset = name if is_zero_config(name) else load_patchset(name)  # None/auto/measure: zero configuration
     _settings = Settings(patchset=patchset, verify=verify, mode="training" if training else "inference",
                          unverified_release=release)
     return _settings
@@ -132,12 +135,12 @@ def configure(kernel_config: Mapping[str, Any] | None, *, training: bool) -> Set
 def apply_patchset(model: Any, include_kernels: Any = None, **kwargs: Any) -> Any:
     """The ``patch_engine`` kernel plugin: what ``ModelEngine`` calls after attaching adapters.
 
-    Applies the configured patchset (by default the bundled one named after the model's
-    ``model_type``) and returns the model, as LlamaFactory's kernel plugins do.
+    Applies the configured patchset (by default zero configuration: the bundled one of the model's
+    ``model_type``, else declarations measured and verified on a tiny copy) and returns the
+    model, as LlamaFactory's kernel plugins do.
     """
     global last_report
     from engine.api import apply
-    from engine.runtime.wrappers import unwrap
 
     if _settings is None:
         raise InvalidArgument(
@@ -145,12 +148,7 @@ def apply_patchset(model: Any, include_kernels: Any = None, **kwargs: Any) -> An
             "only include_kernels, so start training with `python -m engine.integrations.llamafactory sft CONFIG.yaml` "
             "(or engine.integrations.llamafactory.run), which reads patchset/verify from kernel_config"
         )
-    patchset = _settings.patchset
-    if patchset is None:
-        patchset = getattr(getattr(unwrap(model), "config", None), "model_type", None)
-        if patchset is None:
-            raise InvalidArgument(f"kernel_config (name: {PLUGIN_NAME}): the model has no config.model_type; set patchset")
-    last_report = apply(model, patchset, mode=_settings.mode, verify=_settings.verify, fused_cross_entropy=False,
+    last_report = apply(model, _settings.patchset, mode=_settings.mode, verify=_settings.verify, fused_cross_entropy=False,
                         unverified_release=_settings.unverified_release)
     logger = _import("llamafactory.v1.utils.logging").get_logger(LOGGER)
     announce(last_report, line=logger.info, detail=logger.debug)

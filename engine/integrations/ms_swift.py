@@ -11,8 +11,9 @@ imports while parsing the arguments; it wants a *path*, not a module name) and `
 NAME`` (names looked up in ``swift.callbacks.callbacks_map`` and handed to its ``Trainer``); its
 argument parser refuses flags it does not know, so our settings come from the environment:
 
-* ``PATCH_ENGINE_PATCHSET``: a bundled name or a patchset path; unset: the bundled patchset named
-  after the model's ``model_type`` (``qwen3`` for a Qwen3 checkpoint).
+* ``PATCH_ENGINE_PATCHSET``: a bundled name or a patchset path; unset or ``auto``: zero configuration
+  (the bundled patchset of the model's ``model_type``, ``qwen3`` for a Qwen3 checkpoint, else
+  declarations measured and verified on a tiny copy of the model: :mod:`engine.zeroconfig`).
 * ``PATCH_ENGINE_VERIFY``: ``1``/``true`` (verify every patched module against its original once,
   before step 1), ``sample``, or ``0``/``false`` (the default).
 * ``PATCH_ENGINE_FUSED_CROSS_ENTROPY``: ``1``/``true`` or ``0``/``false`` (unset: the patchset's key).
@@ -75,7 +76,9 @@ class Settings:
             from engine.foundation.release_policy import resolve_policy
 
             resolve_policy(release_text, setting="PATCH_ENGINE_UNVERIFIED_RELEASE")  # a typo stops here too
-        if patchset is not None:
+        from engine.zeroconfig import is_zero_config
+
+        if not is_zero_config(patchset):
             from engine.loader import load_patchset
 
             load_patchset(patchset)  # a misspelt name or a schema error stops here, before the model loads
@@ -112,11 +115,6 @@ class SwiftPatchsetCallback(PatchsetCallback):
         self.args = args
         self.trainer = trainer
 
-    def _apply(self, args: Any, model: Any) -> None:
-        if model is not None and self.patchset is None:
-            self.patchset = _model_type(model)
-        super()._apply(args, model)
-
     def _announce(self, report: Any) -> None:
         """Through ms-swift's logger: the line at INFO (its default level), the report at DEBUG."""
         logger = _swift("swift.utils").get_logger()
@@ -127,16 +125,6 @@ def _swift(module: str) -> Any:
     """Import an ms-swift module, or say what to install (or, installed, what failed to import)."""
     return import_stack_module(module, who=f"--callbacks {CALLBACK_NAME} (an ms-swift plugin)",
                                needs="ms-swift", install="pip install ms-swift (4.6.0 tested)")
-
-
-def _model_type(model: Any) -> str:
-    from engine.runtime.wrappers import unwrap
-
-    model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
-    if not model_type:
-        raise InvalidArgument("ms-swift --callbacks patch_engine: the model has no config.model_type to name a "
-                              "patchset after; set PATCH_ENGINE_PATCHSET=NAME")
-    return str(model_type)
 
 
 def register(settings: Settings | None = None) -> None:

@@ -56,8 +56,11 @@ __all__ = ["PatchsetCallback", "patch_for_training"]
 LOG = logging.getLogger("transformers.patch_engine")
 
 
-def patch_for_training(model: nn.Module, patchset: Patchset | str | dict[str, Any], **apply_kwargs: Any) -> nn.Module:
+def patch_for_training(model: nn.Module, patchset: Patchset | str | dict[str, Any] | None = None,
+                       **apply_kwargs: Any) -> nn.Module:
     """Apply ``patchset`` to ``model`` for training and return the model (for ``Trainer(model=...)``).
+
+    No patchset: zero configuration (:mod:`engine.zeroconfig`), as :func:`engine.apply(model) <engine.apply>`.
 
     Keyword arguments go to :func:`engine.apply` (``device``, ``verify``, ``fused_cross_entropy``,
     ``unverified_release``).
@@ -70,7 +73,9 @@ class PatchsetCallback(TrainerCallback):
     """A ``TrainerCallback`` that patches the trainer's model with a patchset.
 
     Args:
-        patchset: a bundled name (``"qwen3"``), a path, a dict or a :class:`Patchset`.
+        patchset: a bundled name (``"qwen3"``), a path, a dict or a :class:`Patchset`; none (or
+            ``"auto"``): zero configuration, the bundled patchset of the model's type, else
+            declarations measured and verified on a tiny copy of the model (:mod:`engine.zeroconfig`).
         revert_on_end: put the original forwards back when training ends. Off by default:
             evaluation and prediction after ``train()`` then run with the same kernels as
             training, and checkpoints are unaffected either way (patching changes no
@@ -88,7 +93,7 @@ class PatchsetCallback(TrainerCallback):
     """
 
     def __init__(
-        self, patchset: Patchset | str | dict[str, Any], *, revert_on_end: bool = False, verify: bool = False,
+        self, patchset: Patchset | str | dict[str, Any] | None = None, *, revert_on_end: bool = False, verify: bool = False,
         fused_cross_entropy: Any = None, unverified_release: str | None = None,
     ):
         from engine.foundation.release_policy import resolve_policy
@@ -123,7 +128,13 @@ class PatchsetCallback(TrainerCallback):
         problem = trl_trainer_conflict(args, inner)
         if problem is None:
             return
-        the_plan = plan(inner, self.patchset, device=device, mode="training", fused_cross_entropy=self.fused_cross_entropy,
+        from engine.zeroconfig import resolve
+
+        patchset = resolve(inner, self.patchset, device=device, mode="training",
+                           fused_cross_entropy=self.fused_cross_entropy)
+        if patchset is None:  # zero configuration found nothing to patch: no head either
+            return
+        the_plan = plan(inner, patchset, device=device, mode="training", fused_cross_entropy=self.fused_cross_entropy,
                         unverified_release=self.unverified_release)
         if any(d.op == "fused_linear_cross_entropy" for d in the_plan.patched):
             raise TrainerConflict(f"PatchsetCallback({the_plan.patchset.name!r}, fused_cross_entropy=...): {problem}")

@@ -71,28 +71,22 @@ def _load(patchset: Any, fused_cross_entropy: Any) -> Any:
             "fused_cross_entropy cannot run under twinkle: TransformersModel.forward takes the labels out of the "
             "batch and computes log-probabilities from the logits itself; use twinkle's task='fused_lm_ce' (Liger)"
         )
-    if patchset is None:
-        return None
+    from engine.zeroconfig import is_zero_config
+
+    if is_zero_config(patchset):  # None / "auto" / "measure": zero configuration when the model is at hand
+        return patchset
     from engine.loader import load_patchset
 
     return load_patchset(patchset)
-
-
-def _model_type_patchset(model: Any) -> str:
-    from engine.runtime.wrappers import unwrap
-
-    model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
-    if model_type is None:
-        raise InvalidArgument("PatchsetPatch: the model has no config.model_type; name the patchset")
-    return model_type
 
 
 class _PatchsetPatchMixin:
     """A patchset as a twinkle ``Patch``: ``__call__`` applies it for training, ``unpatch`` reverts it.
 
     Args:
-        patchset: a bundled name, a path, a dict or a ``Patchset``; ``None``: the bundled patchset
-            named after the model's ``model_type``.
+        patchset: a bundled name, a path, a dict or a ``Patchset``; ``None`` (or ``"auto"``): zero
+            configuration (the bundled patchset of the model's ``model_type``, else declarations
+            measured and verified on a tiny copy of the model: :mod:`engine.zeroconfig`).
         verify: compare every patched module with its original forward once, when applying.
         mode: ``"training"`` (default: kernels with a backward) or ``"inference"``.
         fused_cross_entropy: only ``None``/``False`` (see the module docstring).
@@ -131,7 +125,7 @@ class _PatchsetPatchMixin:
             raise InvalidArgument(f"PatchsetPatch: unknown arguments {list(args)} {sorted(kwargs)}; "
                                   "it takes patchset, verify, mode, fused_cross_entropy, unverified_release")
         before = self.report
-        self.report = apply(module, patchset or _model_type_patchset(module), mode=mode, verify=verify,
+        self.report = apply(module, patchset, mode=mode, verify=verify,
                             fused_cross_entropy=False, unverified_release=release)
         if self.report is not before:  # applying again with nothing to change says nothing
             logger = _twinkle("twinkle.utils.logger").get_logger()
@@ -160,7 +154,7 @@ class _Installer:
 
     def __init__(self, patch: Any) -> None:
         self.patch = patch
-        self.__name__ = f"patch_engine({patch.patchset.name if patch.patchset is not None else 'model_type'})"
+        self.__name__ = f"patch_engine({getattr(patch.patchset, 'name', None) or patch.patchset or 'auto'})"
 
     def __call__(self, model: Any, target: Any, impl: Any) -> bool:
         self.patch(model)

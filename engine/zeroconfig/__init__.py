@@ -38,7 +38,7 @@ from engine.zeroconfig.bundled import bundled_for
 from engine.zeroconfig.measure import Measured, measure
 from engine.zeroconfig.verdict import MeasuredVerdict, subset, verified_subset
 
-__all__ = ["AUTO", "MEASURE", "Choice", "ZeroConfigReport", "choose", "is_zero_config"]
+__all__ = ["AUTO", "MEASURE", "Choice", "ZeroConfigReport", "choose", "is_zero_config", "resolve"]
 
 #: ``apply(model, "auto")`` is ``apply(model)``; ``apply(model, "measure")`` measures even where a bundled file exists.
 AUTO, MEASURE = "auto", "measure"
@@ -206,3 +206,16 @@ def choose(
 
     kept_plan = plan(inner, kept, fused_cross_entropy=fused_cross_entropy, **plan_kwargs)
     return Choice(record, kept, gate=MeasuredGate(kernels_of(kept_plan)))
+
+
+def resolve(model: nn.Module, patchset: Any, **kwargs: Any) -> Patchset | str | dict[str, Any] | None:
+    """``patchset`` itself, or for zero configuration the one ``apply`` would use (``None``: nothing to patch).
+
+    For a caller that must plan before applying (a launcher's checks); the measurement and its
+    verdict are cached, so the apply that follows reads them.
+    """
+    if not is_zero_config(patchset):
+        return patchset
+    with warnings.catch_warnings():  # the apply that follows warns
+        warnings.simplefilter("ignore", ZeroConfigWarning)
+        return choose(model, patchset, **kwargs).patchset
