@@ -56,6 +56,8 @@ def judge_change(change: Change, rec: Recorded | None, patched: Any, original: A
     row.result = "passes" if passed and not (explanation and explanation.another) else "differs"
     if explanation is not None:
         row.explanation = explanation.text
+        if explanation.another and explanation.exact:  # another declaration, reproduced: exact arithmetic's finding
+            row.evidence = "exact arithmetic"
         if row.result == "differs" and not explanation.another and explanation.exact:
             row.explanation = (f"the declaration the original computes ({explanation.original}), beyond its "
                                "rounding error: the kernel's own arithmetic differs, not the declaration")

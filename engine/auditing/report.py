@@ -47,6 +47,7 @@ class Row:
     ratio: float | None = None
     note: str = ""
     explanation: str = ""
+    evidence: str = ""   # "exact arithmetic" (another declaration, to the ulp), or the reading it rests on
 
 
 @dataclass
@@ -64,6 +65,18 @@ class AuditReport:
     model_ratios: dict[str, float] = field(default_factory=dict)
     model_problem: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    #: What the patch's kernels ran on where they cannot run natively here ("Triton's interpreter", "the
+    #: torch_npu emulator"): a finding that rests on it is labelled and kept apart from exact arithmetic.
+    reading: str = ""
+
+    def _on_reading(self, row: Row) -> bool:
+        return bool(self.reading) and row.evidence != "exact arithmetic"
+
+    @property
+    def reading_only(self) -> bool:
+        """It differs, and only by what rests on an interpreter's or emulator's reading (no exact-arithmetic finding)."""
+        return self.verdict == "differs" and bool(self.reading) and not any(
+            r.result == "differs" and not self._on_reading(r) for r in self.rows)
 
     @property
     def judged(self) -> list[Row]:
@@ -126,9 +139,13 @@ class AuditReport:
                     "are bit-identical to the original's")
         bad = [r for r in self.rows if r.result in ("differs", "unchecked")]
         failed = [c for c in self.model_checks if not c.passed]
-        parts = [f"{r.cls if r.cls not in ('-', 'function', 'config') else r.path} {r.result}"
-                 + (f": {r.explanation}" if r.explanation else "") for r in _grouped(bad)]
-        parts += [f"{c.what} differs" for c in failed]
+        grouped = _grouped(bad)
+        parts = [_finding(r) for r in grouped if not self._on_reading(r) or r.result != "differs"]
+        apart = [_finding(r) for r in grouped if self._on_reading(r) and r.result == "differs"]
+        (apart if self.reading_only else parts).extend(f"{c.what} differs" for c in failed)
+        if apart:
+            parts.append(f"on {self.reading}'s reading only (not exact arithmetic; a device may differ): "
+                         + "; ".join(apart))
         if self.unseen and not failed:
             worst = max((c.max_abs for c in self.model_checks), default=0.0)
             parts.append(f"the whole model's numbers are not the original's (max abs {worst:.2g}, within its rounding "
@@ -166,8 +183,14 @@ class AuditReport:
             "verdict": self.verdict, "summary": self.summary(), "environment": self.environment, "error": self.error,
             "worst_ratio": _finite(self.worst_ratio), "rows": [_clean(asdict(r)) for r in self.rows],
             "model_checks": [_clean(asdict(c)) for c in self.model_checks], "model_problem": self.model_problem,
-            "seconds": self.seconds,
+            "seconds": self.seconds, "reading": self.reading, "reading_only": self.reading_only,
         }
+
+
+def _finding(r: Row) -> str:
+    who = r.cls if r.cls not in ("-", "function", "config") else r.path
+    ratio = f" ({_ratio(r.ratio)})" if r.ratio else ""
+    return f"{who} {r.result}{ratio}" + (f": {r.explanation or r.note}" if r.explanation or r.note else "")
 
 
 def worst_verdict(verdicts: list[str]) -> str:
@@ -180,15 +203,15 @@ def _grouped(rows: list[Row]) -> list[Row]:
     elsewhere = [r for r in rows if r.result == "not in this model"]
     rows = [r for r in rows if r.result != "not in this model"]
     for r in rows:
-        groups.setdefault((r.cls, r.change, r.result, r.explanation, r.detail if r.cls in ("-", "function") else ""),
-                          []).append(r)
+        groups.setdefault((r.cls, r.change, r.result, r.explanation or r.note[:60],
+                           r.detail if r.cls in ("-", "function") else ""), []).append(r)
     out = []
     for members in groups.values():
         first = members[0]
         path = first.path if len(members) == 1 else f"{first.path} and {len(members) - 1} more"
         out.append(Row(path, first.cls, first.change, first.detail, first.result,
                        _max([r.max_abs for r in members]), _max([r.ratio for r in members]), first.note,
-                       first.explanation))
+                       first.explanation, first.evidence))
     if elsewhere:
         out.append(Row(f"{len(elsewhere)} process-wide change{'s' if len(elsewhere) > 1 else ''}", "-", "process-wide",
                        "", "not in this model", note="other families' classes and functions, class names for models "

@@ -122,7 +122,8 @@ def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditRe
     model = original.model
     dtype = next(model.parameters()).dtype
     report = AuditReport(adapter.name, type(model).__name__, model_type, DTYPE_NAMES.get(dtype, str(dtype)),
-                         environment=adapter.notes, seconds={"original": round(original.seconds, 2)})
+                         environment=adapter.notes, seconds={"original": round(original.seconds, 2)},
+                         reading=adapter.reading)
     classes = {type(m).__module__ for m in model.modules()}
     state = ProcessState(extra_modules=classes)
     started = time.perf_counter()

@@ -29,7 +29,8 @@ DTYPES = ("fp32", "bf16")  # names only: the parser is built for every command, 
 
 
 def tiny_model(model_type: str, dtype: torch.dtype | None = None) -> nn.Module:
-    """The tiny model ``verify`` builds for ``model_type``: the bundled patchset's ``tiny_model``, else the type's own."""
+    """The tiny model ``verify`` builds for ``model_type``: the bundled patchset's ``tiny_model``, else the type's own;
+    with the fields every released checkpoint of the type has (``released_configs`` in engine/_data/audit_stacks.yaml)."""
     import torch
 
     from engine.auditing.adapters.patchset import bundled_by_type
@@ -37,11 +38,17 @@ def tiny_model(model_type: str, dtype: torch.dtype | None = None) -> nn.Module:
     from engine.tiny import build_tiny_for, build_tiny_model
     from engine.tiny.config import derive_tiny_config
 
+    from engine.auditing.adapters.stack_data import stack_data
+
     dtype = dtype or torch.float32
+    released = stack_data("released_configs").get(model_type)  # fields as the released checkpoints have them
     bundled = bundled_by_type().get(model_type)
-    if bundled:
+    if bundled and not released:
         return build_tiny_for(load_patchset(bundled), model_type, dtype=dtype)
-    return build_tiny_model(model_type, derive_tiny_config(model_type), dtype=dtype)
+    tiny = load_patchset(bundled).tiny_model if bundled else None
+    config = dict(tiny.config) if tiny else derive_tiny_config(model_type)
+    return build_tiny_model(model_type, {**config, **(released or {})}, dtype=dtype,
+                            random_buffers=tiny.random_buffers if tiny else None)
 
 
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, dict[str, Any] | None, str]:

@@ -32,6 +32,8 @@ def _word(c: dict[str, Any] | None) -> str:
         return f"passes ({text})"
     if verdict in ("not claimed", "not run"):
         return "not claimed" if verdict == "not claimed" else "not run yet"
+    if verdict == "differs" and c.get("reading_only"):  # rests on an interpreter's or emulator's reading: not bolded
+        return f"differs ({c.get('reading', 'a reading')}'s reading only): {text}"
     return f"**{verdict}**: {text}" if verdict == "differs" else f"{verdict}: {text}"
 
 

@@ -75,6 +75,7 @@ def cell(stack: str, model_type: str, dtype: str) -> dict[str, Any]:
                 "seconds": round(time.perf_counter() - started, 1)}
     return {**out, "verdict": report.verdict, "text": _cell_text(report), "worst_ratio": _finite(report.worst_difference),
             "summary": report.summary(), "environment": report.environment, "patch": report.patch,
+            "reading": report.reading, "reading_only": report.reading_only,
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -102,12 +103,8 @@ def _cell_text(report: Any) -> str:
     if report.verdict == "unchecked":
         why = rows[0].note if rows else report.model_problem or ""
         return f"{rows[0].cls}: {why[:160]}" if rows else why[:160]
-    if rows:
-        r = max(rows, key=lambda r: r.ratio if r.ratio is not None else float("inf"))
-        ratio = "" if r.ratio is None else f" ({r.ratio:.2g}x)"
-        return f"{r.cls}{ratio}: {r.explanation or r.note}"[:220]
-    failed = [c for c in report.model_checks if not c.passed]
-    return "; ".join(f"{c.what} ({report.model_ratios.get(c.what.split(' ')[0], float('nan')):.2g}x)" for c in failed)
+    # every finding, not only the worst: the summary's, exact arithmetic first, a reading's labelled apart
+    return report.summary().split(": differs: ", 1)[-1][:900]
 
 
 def _finite(x: float | None) -> float | None:

@@ -51,6 +51,9 @@ class Adapter:
     notes: list[str] = field(default_factory=list)
     #: What to call for a function the patch bound in a modeling module (default: what is bound there).
     function: Callable[[nn.Module, Any], Any] = field(default=lambda model, value: value)
+    #: What its kernels run on here where not natively ("Triton's interpreter", "the torch_npu emulator"):
+    #: findings resting on that reading are labelled apart from exact-arithmetic ones.
+    reading: str = ""
 
 
 def claims(stack: str) -> list[str]:
@@ -64,7 +67,7 @@ def resolve(spec: str | Callable[[nn.Module], Any] | Adapter, model_type: str) -
     if isinstance(spec, Adapter):
         return spec
     if callable(spec):
-        return Adapter(_name_of(spec), spec)
+        return _own(_name_of(spec), spec)
     if not isinstance(spec, str) or not spec:
         raise InvalidArgument(f"audit: a patch is a callable, MODULE:FUNCTION or one of {', '.join(STACKS)}; got {spec!r}")
     if spec.startswith("patchset:"):
@@ -72,9 +75,17 @@ def resolve(spec: str | Callable[[nn.Module], Any] | Adapter, model_type: str) -
     if spec in STACKS:
         return _stack(spec).for_model_type(model_type)
     if ":" in spec:
-        return Adapter(spec, _function(spec))
+        return _own(spec, _function(spec))
     raise InvalidArgument(f"--with {spec}: not a stack ({', '.join(s for s in STACKS if s != 'patchset')}), "
                           "patchset:NAME, nor MODULE:FUNCTION")
+
+
+def _own(name: str, fn: Callable[[nn.Module], Any]) -> Adapter:
+    """A user's own patch: Triton's interpreter on where the model is on a CPU, as for the named stacks (a patch
+    calling Liger's ops is judged, not "0 active drivers"); harmless to one that calls no Triton."""
+    from engine.auditing.adapters.liger import triton_on_cpu
+
+    return Adapter(name, fn, environment=triton_on_cpu)
 
 
 def _stack(name: str) -> Any:

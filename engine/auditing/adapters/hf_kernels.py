@@ -93,7 +93,7 @@ def for_model_type(model_type: str) -> Adapter:
             kernelize(model, mode=Mode.TRAINING, device=device)
 
     return Adapter(f"hf-kernels {installed_version('kernels')}: kernelize(model, mode=TRAINING), RMSNorm -> LigerRMSNorm "
-                   "(local)", apply, environment=triton_on_cpu, notes=notes)
+                   "(local)", apply, environment=triton_on_cpu, notes=notes, reading="Triton's interpreter")
 
 
 _NOTE = ("the mapping's repository loads the layer transformers maps (kernels-community/liger-kernels LigerRMSNorm) "

@@ -49,7 +49,7 @@ def for_model_type(model_type: str) -> Adapter:
         fn(model=model)
 
     name = f"liger {installed_version('liger-kernel')}: {fn.__name__}(model=model)"
-    return Adapter(name, apply, environment=triton_on_cpu, notes=[_NOTE])
+    return Adapter(name, apply, environment=triton_on_cpu, notes=[_NOTE], reading="Triton's interpreter")
 
 
 _NOTE = ("Liger's Triton kernels ran on this CPU under Triton's interpreter with the engine's shims "

@@ -81,7 +81,7 @@ def for_model_type(model_type: str) -> Adapter:
         interface.KernelPlugin("auto")(model=model, include_kernels="auto")
 
     return Adapter(f"llamafactory {installed_version('llamafactory')} v1: KernelPlugin('auto'), include_kernels: auto",
-                   apply, environment=_on_an_npu, notes=[_NOTE])
+                   apply, environment=_on_an_npu, notes=[_NOTE], reading="the torch_npu emulator")
 
 
 _NOTE = ("the accelerator is an NPU for LlamaFactory (its get_current_accelerator answers npu, so its NPU kernels "

@@ -94,7 +94,7 @@ def for_model_type(model_type: str) -> Adapter:
                          f"{installed_version()} and patch nothing (silently): {', '.join(sorted(missing))}")
 
     return Adapter(f"twinkle {installed_version('twinkle-kit')}: kernelize(model) (DEFAULT_KERNEL_CONFIG)", apply,
-                   environment=_on_an_npu, notes=notes)
+                   environment=_on_an_npu, notes=notes, reading="the torch_npu emulator")
 
 
 _NPU_NOTE = ("the platform is an NPU: twinkle's own NPU platform answers Platform.get_platform, and torch_npu is the "
