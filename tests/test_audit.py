@@ -213,3 +213,34 @@ def test_liger_olmo2_bf16_differs_by_its_casting_mode(capsys: pytest.CaptureFixt
 
     assert modeling_olmo2.Olmo2RMSNorm.__module__ == modeling_olmo2.__name__  # Liger's rebinding put back
     assert modeling_olmo2.apply_rotary_pos_emb.__module__ == modeling_olmo2.__name__
+
+
+def _differing(evidence: str) -> Any:
+    from engine.auditing.report import AuditReport, Row
+
+    row = Row("model.layers.0.input_layernorm", "Qwen3RMSNorm", "forward replaced", "", "differs", 1e-3, 1.4,
+              explanation="computes cast: fp32 where Qwen3RMSNorm.forward computes cast: llama (exactly)",
+              evidence=evidence)
+    return row, AuditReport
+
+
+@pytest.mark.parametrize(("reading", "evidence", "apart"), [
+    ("the torch_npu emulator", "rounding order", True),    # where an emulated op rounds: the emulator's guess
+    ("Triton's interpreter", "rounding order", False),     # the kernel's own casts, run as written
+    ("the torch_npu emulator", "exact arithmetic", False),  # another scale or activation: no reading decides that
+    ("Triton's interpreter", "", True),                    # a kernel's numbers, not another declaration
+    ("", "", False),                                        # a user's torch code: what this CPU computes
+])
+def test_a_finding_that_rests_on_a_reading_is_labelled_and_kept_apart(reading: str, evidence: str, apart: bool) -> None:
+    row, report_cls = _differing(evidence)
+    report = report_cls("p", "Qwen3ForCausalLM", "qwen3", "bf16", rows=[row], reading=reading)
+    assert report.verdict == "differs" and report.reading_only is apart
+    assert ("reading only" in report.summary()) is apart
+
+
+def test_the_audits_tiny_moe_models_have_no_dense_layer_as_released_checkpoints() -> None:
+    from engine.commands.audit import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    assert model.config.mlp_only_layers == []
+    assert {type(layer.mlp).__name__ for layer in model.model.layers} == {"Qwen3MoeSparseMoeBlock"}

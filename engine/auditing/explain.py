@@ -44,6 +44,12 @@ class Explanation:
     text: str                 # one sentence for the report
     another: bool             # the patch computes another declaration than the original (a finding)
     exact: bool = True        # the patch reproduces ``patched`` to the last bit (or one ulp of its dtype)
+    keys: tuple[str, ...] = ()  # the settings in which ``patched`` differs from ``original``
+
+
+#: Settings that say where a computation rounds, not what it computes: a finding in these alone, from a
+#: kernel run by an emulator that rounds each op once, rests on that reading.
+ROUNDING_KEYS = frozenset({"cast", "upcast", "precision"})
 
 
 def _settings(patch: Any) -> dict[str, Any]:
@@ -145,7 +151,8 @@ def _decide(outputs: list[tuple[Any, Any]], expected: Any, got: Any, owner: str,
     how = ("exactly" if best_err == (0.0, 0.0) else "to one ulp" if exactly else
            f"closest: mean difference {best_err[0]:.2g} from it, {mine_err[0]:.2g} from the original's")
     text = f"computes {describe(best, mine)} where {owner} computes {describe(mine, best)} ({how})"
-    return Explanation(describe(mine), describe(best), text, True, exact=exactly)
+    keys = tuple(part.split(":", 1)[0] for part in describe(best, mine).split(", "))
+    return Explanation(describe(mine), describe(best), text, True, exact=exactly, keys=keys)
 
 
 def explain_module(module: nn.Module, args: Any, kwargs: Any, expected: Any, got: Any,

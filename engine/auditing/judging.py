@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.auditing.changes import Change
-from engine.auditing.explain import Explanation, explain_function, explain_module
+from engine.auditing.explain import ROUNDING_KEYS, Explanation, explain_function, explain_module
 from engine.auditing.recording import Recorded
 from engine.auditing.report import Row
 from engine.verification.compare import clone_tensors, compare, is_exact, judge, max_abs_diff, move_tensors, tensors_of
@@ -57,7 +57,8 @@ def judge_change(change: Change, rec: Recorded | None, patched: Any, original: A
     if explanation is not None:
         row.explanation = explanation.text
         if explanation.another and explanation.exact:  # another declaration, reproduced: exact arithmetic's finding
-            row.evidence = "exact arithmetic"
+            rounding = set(explanation.keys) <= ROUNDING_KEYS  # where it rounds only: an emulator's reading may decide
+            row.evidence = "rounding order" if rounding else "exact arithmetic"
         if row.result == "differs" and not explanation.another and explanation.exact:
             row.explanation = (f"the declaration the original computes ({explanation.original}), beyond its "
                                "rounding error: the kernel's own arithmetic differs, not the declaration")
