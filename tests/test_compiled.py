@@ -441,3 +441,29 @@ def test_a_smollm2_session_never_hits_the_recompile_limit() -> None:
     widths = {c[4][5] for c in counts[("rms_norm", Scale.weight, CastOrder.llama, Precision.native)]}
     assert (576,) in widths  # SmolLM2's hidden norms went through compiled code
     assert all(n == 1 for per in counts.values() for n in per.values()), counts
+
+
+class _BackwardCompileFails(torch.autograd.Function):
+    """Stands for inductor's lazily compiled backward failing at the first backward (torch 2.14.1, MoE experts)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise AssertionError("For Min(s99, u0), expected [u0] to have been codegen-ed.")
+
+
+def test_a_failed_backward_compile_falls_back_to_the_reference_with_a_warning() -> None:
+    """The step goes on: the gradient from the reference, a warning naming the kernel, the reference from then on."""
+    kernel = compiled._CompiledKernel(lambda x: x * 2, "doubling", compile=lambda fn, name: _BackwardCompileFails.apply)
+    x = torch.arange(4.0, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="doubling's backward failed .*AssertionError"):
+        kernel(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 2.0)) and kernel.failed
+    x.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel(x).sum().backward()  # the reference now, no second warning
+    assert torch.equal(x.grad, torch.full((4,), 2.0))

@@ -289,3 +289,49 @@ def test_compiled_provider_bf16_judged_against_fp32_and_fp32_uncompiled(monkeypa
         assert torch.count_nonzero(got[name][4]) == 0, name
     kernels = [k for key, k in compiled._CACHE.items() if key[0] == "moe_experts"]
     assert kernels and not any(k.failed for k in kernels)  # it compiled: no fallback to the reference
+
+
+def test_compiled_experts_in_a_bf16_training_step_of_a_moe_model(monkeypatch) -> None:
+    """What ``auto`` gives a user training a MoE model in bf16 on a CPU: the compiled experts, forward and
+    backward through inductor, two optimizer steps; losses and gradients near the unpatched model's (bf16
+    rounding apart), and no fallback. On torch 2.14.1 the backward graph's compile crashed the step (inductor
+    could not bind the unbacked size of ``bincount``'s result: ``For Min(s99, u0), expected [u0] to have been
+    codegen-ed``); the routes are now counted into a tensor of static size."""
+    import warnings
+
+    from engine.kernels import compiled
+    from engine.tiny import build_tiny_model
+
+    if compiled.find_cxx() is None:
+        pytest.skip("no C++ compiler for inductor")
+    monkeypatch.setenv(compiled.ENV_SWITCH, "1")
+    config = {"num_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH}
+    model = build_tiny_model("qwen3_moe", config, dtype=torch.bfloat16)
+    unpatched = copy.deepcopy(model)
+    report = engine.apply(model, "qwen3_moe", mode="training")
+    experts = [d for d in report.decisions if d.action == "patch" and d.op == "moe_experts"]
+    assert experts and all(d.kernel == "compiled" for d in experts), [(d.op, d.kernel) for d in experts]
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    losses: dict[str, list[float]] = {"patched": [], "unpatched": []}
+    grads: dict[str, dict[str, torch.Tensor]] = {}  # the first step's, by run and parameter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compiled kernel falling back warns: not here
+        for run_name, m in (("patched", model), ("unpatched", unpatched)):
+            m.train()
+            optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+            for _ in range(2):
+                optimizer.zero_grad(set_to_none=True)
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+                grads.setdefault(run_name, {n: p.grad.float().clone() for n, p in m.named_parameters()})
+                losses[run_name].append(float(loss.detach()))
+                optimizer.step()
+    kernels = [k for key, k in compiled.kernels().items() if key[0] == "moe_experts"]
+    assert kernels and any(k.functions for k in kernels) and not any(k.failed for k in kernels)
+    for got, want in zip(losses["patched"], losses["unpatched"], strict=True):
+        assert abs(got - want) <= 0.02 * abs(want), losses
+    for n, want in grads["unpatched"].items():
+        got = grads["patched"][n]
+        assert torch.isfinite(got).all(), n
+        cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+        assert want.abs().max() == 0 or cos > 0.98, (n, float(cos))

@@ -183,7 +183,7 @@ class _CompiledKernel:
             return self.reference(*args)
         try:
             if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-                return _Trainable.apply(self.reference, fn, *args)
+                return _Trainable.apply(self, fn, *args)
             return fn(*args)
         except not_a_failure():  # a checkpoint's early stop, out of memory: not the compiled kernel's failure
             raise
@@ -205,6 +205,12 @@ class _CompiledKernel:
             self.warned = True
             warnings.warn(what, RuntimeWarning, stacklevel=3)
         return result
+
+    def backward_failed(self, exc: Exception) -> None:
+        """The compiled backward failed (inductor compiles it at the first backward): the reference from now on."""
+        self.failed = True
+        warnings.warn(f"torch.compile of {self.label}'s backward failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                      "this gradient and every later call use the torch reference", RuntimeWarning, stacklevel=2)
 
     def compiles(self) -> dict[tuple[Any, ...], int]:
         """How many times dynamo compiled each class's function (1 each when nothing recompiled)."""
@@ -244,14 +250,19 @@ class _Trainable(torch.autograd.Function):
     then the total derivative: it ran the router's backward inside this node (freeing its saved
     tensors: the step's own backward then raised "Trying to backward through the graph a second
     time") and would have counted the router's path twice.
+
+    Inductor compiles the backward lazily, at the first backward: a compile that fails there (as
+    torch 2.14.1's did on the MoE experts) would end the user's step, where a failed forward
+    compile falls back. So it falls back the same way: this gradient from the reference, and
+    the kernel runs the reference from then on, with a warning.
     """
 
     @staticmethod
-    def forward(ctx: Any, reference: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Any:
+    def forward(ctx: Any, kernel: _CompiledKernel, fn: Callable[..., Any], *args: Any) -> Any:
         leaves = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
         with torch.enable_grad():
             out = fn(*leaves)
-        ctx.reference, ctx.out, ctx.leaves = reference, out, leaves
+        ctx.kernel, ctx.reference, ctx.out, ctx.leaves = kernel, kernel.reference, out, leaves
         ctx.args = tuple(_SAVED if isinstance(a, torch.Tensor) else a for a in args)
         ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
         return out.detach()
@@ -262,15 +273,21 @@ class _Trainable(torch.autograd.Function):
         args = [next(saved) if a is _SAVED else a for a in ctx.args]
         wanted = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         create = torch.is_grad_enabled()
-        if create or ctx.out is None or torch._C._autograd._get_current_graph_task_keep_graph():
+        grads = None
+        if not (create or ctx.out is None or torch._C._autograd._get_current_graph_task_keep_graph()):
+            out, ctx.out = ctx.out, None  # its saved buffers are spent by this backward
+            leaves, ctx.leaves = ctx.leaves, None
+            try:
+                grads = torch.autograd.grad(out, [leaves[i] for i in wanted], grad, allow_unused=True)
+            except not_a_failure():
+                raise
+            except Exception as exc:
+                ctx.kernel.backward_failed(exc)
+        if grads is None:
             with torch.enable_grad():  # views: differentiable back to the inputs (double backward), no path between them
                 args = [a.view_as(a) if i in wanted else a for i, a in enumerate(args)]
                 out = ctx.reference(*args)
             grads = torch.autograd.grad(out, [args[i] for i in wanted], grad, create_graph=create, allow_unused=True)
-        else:
-            out, ctx.out = ctx.out, None  # its saved buffers are spent by this backward
-            leaves, ctx.leaves = ctx.leaves, None
-            grads = torch.autograd.grad(out, [leaves[i] for i in wanted], grad, allow_unused=True)
         result: list[Any] = [None] * (2 + len(args))
         for i, g in zip(wanted, grads, strict=True):
             result[2 + i] = g

@@ -172,7 +172,9 @@ def grouped_experts(
     # the same order.
     flat = top_k_index.t().reshape(-1)
     sorted_experts, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    # Routes per expert, in a tensor of static size: bincount's size depends on the data (an unbacked
+    # symbol under torch.compile, which torch 2.14's inductor failed to bind in the backward graph)
+    counts = flat.new_zeros(num_experts + 1).index_add_(0, flat, torch.ones_like(flat))[:num_experts]
     valid = (sorted_experts < num_experts).unsqueeze(-1)
     rows = hidden_states[order % tokens]
     rows = torch.where(valid, rows, 0)
