@@ -8,6 +8,8 @@ judged interpreted must round as it will on the GPU, neither worse (bit patterns
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from engine.kernels.triton_interpret._state import Shim, set_attr
@@ -42,6 +44,25 @@ SHIMS: tuple[Shim, ...] = (
          "program at a time, so nothing interleaves",
          "`InterpreterBuilder.create_atomic_rmw` with a bf16 value and ATOMIC_OP.FADD returns without raising"),
 )
+
+
+def by_name(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` called with its arguments by name; a parameter not given gets ``None`` (a cache hint).
+
+    Why: the builder's memory methods differ between the triton releases the allowed torches pin
+    (3.8: ``create_masked_load(ptrs, mask, other, cache_modifier, eviction_policy, is_volatile)``;
+    3.9: ``(ptrs, mask, other, cache_policy, is_volatile)``), in hints the interpreter ignores.
+    Read from the signature, not from a version string: a release that renames a hint again still binds.
+    """
+    names = [n for n in inspect.signature(method).parameters if n != "self"]
+
+    def call(self: Any, **given: Any) -> Any:
+        unknown = set(given) - set(names)
+        if unknown:  # a parameter we rely on is gone: say so rather than call with it dropped
+            raise TypeError(f"{method.__qualname__}{inspect.signature(method)} takes no {sorted(unknown)}")
+        return method(self, *(given.get(n) for n in names))
+
+    return call
 
 
 def install() -> None:
@@ -82,6 +103,7 @@ def install() -> None:
     binary, unary, ternary, fma = (InterpreterBuilder.binary_op, InterpreterBuilder.unary_op,
                                    InterpreterBuilder.ternary_op, InterpreterBuilder.create_fma)
     dot, rmw = InterpreterBuilder.create_dot, InterpreterBuilder.create_atomic_rmw
+    load, store = by_name(InterpreterBuilder.create_masked_load), by_name(InterpreterBuilder.create_masked_store)
 
     def tf32(h: Any) -> Any:
         bits = np.ascontiguousarray(h.data, dtype=np.float32).view(np.uint32)
@@ -132,11 +154,11 @@ def install() -> None:
         for idx in groups:
             at = TensorHandle(ptrs[idx], ptr.dtype)
             on = TensorHandle(np.ones(len(idx), dtype=bool), tl.int1)
-            current = self.create_masked_load(at, on, None, None, True)
+            current = load(self, ptrs=at, mask=on, other=None, is_volatile=True)
             old[idx] = current.data
             value = TensorHandle(vals[idx], tl.bfloat16)
             new = binary_op(self, current, value, np.add) if rmw_op == _ir.ATOMIC_OP.FADD else value
-            self.create_masked_store(at, new, on, None)
+            store(self, ptrs=at, value=new, mask=on)
         return TensorHandle(old.reshape(shape), tl.bfloat16)
 
     set_attr(InterpreterBuilder, "binary_op", binary_op)
