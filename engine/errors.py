@@ -8,6 +8,8 @@ PyTorch user would reach for first (``ValueError``, ``LookupError``, ``ImportErr
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "AlreadyPatched",
     "BackwardUnsupported",
@@ -38,6 +40,23 @@ class PatchError(Exception):
     """Base class of every error the engine raises on purpose."""
 
 
+#: The longest run of non-blank characters a message echoes whole (a value, a path, a name), and the
+#: longest problem text: a 3 MB ``kernel:`` value or a 5,000-character ``extends:`` name is shown by its ends.
+ECHO_LIMIT, PROBLEM_LIMIT = 200, 4000
+_LONG_RUN = re.compile(r"\S{%d,}" % (ECHO_LIMIT + 1))
+
+
+def shortened(text: str) -> str:
+    """``text`` with every run of more than :data:`ECHO_LIMIT` non-blank characters cut to its ends and its length."""
+    if len(text) <= ECHO_LIMIT:
+        return text
+    text = _LONG_RUN.sub(lambda m: f"{m.group()[:120]}...[{len(m.group()) - 160:,} more characters]...{m.group()[-40:]}",
+                         text)
+    if len(text) > PROBLEM_LIMIT:
+        text = f"{text[:PROBLEM_LIMIT - 500]}...[{len(text) - PROBLEM_LIMIT + 100:,} more characters]...{text[-400:]}"
+    return text
+
+
 class PatchsetError(PatchError, ValueError):
     """A patchset file is malformed: YAML syntax, unknown key, wrong value, bad ``extends``.
 
@@ -52,8 +71,8 @@ class PatchsetError(PatchError, ValueError):
         self.file = file
         self.line = line
         self.key = key
-        self.problem = problem
-        super().__init__(self.location_prefix() + problem)
+        self.problem = shortened(problem)  # a value is echoed by its ends, never whole (a 3 MB `kernel:`)
+        super().__init__(shortened(self.location_prefix()) + self.problem)
 
     def location_prefix(self) -> str:
         """``file:line: key: `` with whatever parts are known."""

@@ -69,7 +69,7 @@ def _loader_lines(path: Path) -> tuple[int, int]:
         try:
             size = len(load_patchset(path).patches)
         except PatchsetError as exc:
-            size = len(exc.errors)
+            size = exc.count  # every problem found (only the first MAX_PROBLEMS are listed in exc.errors)
     finally:
         sys.settrace(previous)
     return count, size

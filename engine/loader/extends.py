@@ -14,10 +14,22 @@ from engine.errors import PatchsetError
 from engine.loader.messages import Origin, Path_, describe, error_at, locate
 from engine.loader.names import resolve
 from engine.loader.schema_types import literal_values, patch_members
-from engine.loader.yaml_lines import parse_yaml, read_text
+from engine.loader.yaml_lines import MAX_BYTES, parse_yaml, read_text
 
 #: Longest ``extends`` chain.
 MAX_EXTENDS = 32
+#: Bytes of every file of one ``extends`` chain together: as much as one file may hold. Each file is
+#: capped (``MAX_BYTES``), but 32 chained files of 2 MB each ran for minutes and 7.4 GB; a chain's next
+#: file is refused by its size, unread, once the chain would pass this.
+MAX_CHAIN_BYTES = MAX_BYTES
+
+
+def _size(path: Path) -> int:
+    """A file's size in bytes, 0 where it cannot be read (reading it then says why)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _default_function(op: Any) -> str | None:
@@ -157,6 +169,13 @@ def load_raw(
     if len(chain) >= MAX_EXTENDS:
         raise error_at(f"extends chain longer than {MAX_EXTENDS} files", ("extends",), origins)
     shown = str(path)
+    sizes = [_size(seen) for seen, _ in chain]
+    total = sum(sizes) + _size(path)
+    if total > MAX_CHAIN_BYTES:
+        raise error_at(
+            f"the extends chain would read {total:,} bytes in {len(chain) + 1} files ({', '.join(f'{s:,}' for s in sizes)}"
+            f", then {_size(path):,} for {shown}), more than {MAX_CHAIN_BYTES:,} bytes for a whole chain; "
+            "a patchset and its bases are a few kB, so merge or shorten them", ("extends",), origins)
     files.append(shown)
     base, base_origins = parse_yaml(read_text(path, shown), shown)
     base, base_origins = load_raw(base, base_origins, path.parent, chain + [(real, shown)], errors, files)

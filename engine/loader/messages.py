@@ -181,21 +181,52 @@ def error_at(problem: str, path: Path_, origins: dict[Path_, Origin]) -> Patchse
     return PatchsetError(problem, file=file, line=line, key=key_text(path))
 
 
+#: Problems one error lists, one line each; the rest are counted ("... and 349,950 more problems"): 350,000
+#: unknown keys once printed 72 MB, and writing each its own message took minutes.
+MAX_PROBLEMS = 50
+
+
+class Omitted(PatchsetError):
+    """Problems found and counted but not described (past :data:`MAX_PROBLEMS`): ``count`` of them, by kind."""
+
+    def __init__(self, kinds: dict[str, int]):
+        self.kinds = kinds
+        super().__init__(", ".join(f"{n:,} {kind}" for kind, n in kinds.items()))
+
+
 def combine(errors: list[PatchsetError], file_order: list[str | None]) -> PatchsetError:
-    """One error for many: the first's location as attributes, one line per problem as text."""
+    """One error for many: the first's location as attributes, one line per problem as text.
+
+    At most :data:`MAX_PROBLEMS` are listed (``errors`` holds those); a last line counts the rest
+    (``count``: every problem found).
+    """
     unique: dict[tuple, PatchsetError] = {}
+    omitted: dict[str, int] = {}
     for e in errors:
+        if isinstance(e, Omitted):
+            for kind, n in e.kinds.items():
+                omitted[kind] = omitted.get(kind, 0) + n
+            continue
         unique.setdefault((e.file, e.line, e.key, e.problem), e)
     rank = {f: i for i, f in enumerate(dict.fromkeys(file_order))}
     ordered = sorted(
         unique.values(),
         key=lambda e: (rank.get(e.file, len(rank)), e.line if e.line is not None else 0),
     )
-    first = ordered[0]
+    if len(ordered) > MAX_PROBLEMS:
+        omitted["other problems"] = omitted.get("other problems", 0) + len(ordered) - MAX_PROBLEMS
+        ordered = ordered[:MAX_PROBLEMS]
+    first = ordered[0] if ordered else PatchsetError("invalid patchset")
     combined = PatchsetError(first.problem, file=first.file, line=first.line, key=first.key)
     combined.errors = ordered
-    if len(ordered) > 1:
-        combined.args = ("\n".join(str(e) for e in ordered),)
+    combined.count = len(ordered) + sum(omitted.values())  # every problem found, listed or not
+    lines = [str(e) for e in ordered]
+    if omitted:
+        more = sum(omitted.values())
+        lines.append(f"... and {more:,} more problems not listed ({Omitted(omitted).problem}); fix those above and "
+                     "validate again")
+    if len(lines) > 1:
+        combined.args = ("\n".join(lines),)
     return combined
 
 
@@ -218,7 +249,15 @@ def validation_errors(
     above_an_error = {q[:n] for q, _ in found for n in range(len(q))}
     out: list[PatchsetError] = []
     done: set[Path_] = set()
+    omitted: dict[str, set[tuple]] = {}
     for path, err in found:
+        if len(out) >= MAX_PROBLEMS:  # counted, not described (a message each took 2 ms; 350,000 took minutes)
+            union = path in unions and err["type"] in _WHOLE_INPUT
+            if union and (path in above_an_error or path in done):
+                continue  # listed already, or the error beneath it is the one counted
+            kind = "unknown keys" if err["type"] == "extra_forbidden" else "other problems"
+            omitted.setdefault(kind, set()).add((path, "union" if union else err["type"]))  # a union fails per member
+            continue
         if path in unions and err["type"] in _WHOLE_INPUT:
             if path in above_an_error or path in done:
                 continue
@@ -236,4 +275,6 @@ def validation_errors(
         except Exception:  # a message must never hide the error itself
             problem, where = err.get("msg", "invalid value"), path
         out.append(error_at(problem, where, origins))
+    if omitted:
+        out.append(Omitted({kind: len(problems) for kind, problems in omitted.items()}))
     return out

@@ -90,6 +90,23 @@ def _not_a_patchset(text: str, path: Path) -> PatchsetError:
 
 
 def resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathLike | None = None) -> Path:
+    """The patchset file a name or path means, as an absolute path (:func:`_resolve` says how).
+
+    A name the file system refuses (5,000 characters: ``ENAMETOOLONG``; a NUL byte) is a
+    :class:`PatchsetError` that shows the name by its ends, not a raw ``OSError`` echoing the path.
+    """
+    try:
+        return _resolve(name_or_path, relative_to)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, PatchsetError):
+            raise
+        text = os.fsdecode(os.fspath(name_or_path)) if isinstance(name_or_path, (str, os.PathLike)) else name_or_path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PatchsetError(f"no patchset {text!r}: the file system cannot look it up ({why}); give a bundled name or "
+                            f"a .yaml/.yml file. {_bundled_hint()}") from None
+
+
+def _resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathLike | None = None) -> Path:
     """The patchset file a name or path means, as an absolute path.
 
     - A bare name (``qwen3``: no folder, no suffix) is the bundled patchset of that name; only

@@ -195,6 +195,16 @@ _EXPECTED: dict[RopeLayout, tuple[str, ...]] = {
 _COMPLEX_NAMES = (("xq", "xk", "freqs_cis"), ("query", "key", "freqs_ci"))
 
 
+def _what(value: object) -> str:
+    """``the module torch``, ``the class Tensor``, ``an int``: what a name holds, for a message."""
+    if inspect.ismodule(value):
+        return f"the module {value.__name__}"
+    if inspect.isclass(value):
+        return f"the class {value.__name__}"
+    kind = type(value).__name__
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+
+
 @register_op
 class RopeOp(FunctionOp):
     """Replace a rotary function of the modeling module (see the module docstring for the layouts)."""
@@ -206,7 +216,14 @@ class RopeOp(FunctionOp):
         return build_reference(patch)
 
     def check_function(self, function: Callable[..., object], patch: RopePatch) -> None:
-        signature = inspect.signature(inspect.unwrap(see_through(function)))
+        try:
+            signature = inspect.signature(inspect.unwrap(see_through(function)))
+        except (TypeError, ValueError):  # `function: torch` names the imported module: not a function to replace
+            raise SignatureMismatch(
+                f"rope cannot replace {patch.function!r}: the modeling module's {patch.function!r} is "
+                f"{_what(function)}, not a rotary function; name the rotary function its attention calls "
+                "(apply_rotary_pos_emb in most families)"
+            ) from None
         params = list(signature.parameters)
         where = f"rope (layout: {patch.layout.value}) cannot replace {patch.function}({', '.join(params)})"
         if patch.layout is RopeLayout.complex:

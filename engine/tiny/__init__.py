@@ -270,6 +270,9 @@ def build_tiny_for(
     config = dict(tiny.config) if tiny else {}
     file = _patchset_file(patchset)
     check_tiny_config(mt, config, file=file)
+    from engine.tiny.budget import check_tiny_budget  # a config over the budget is refused before anything is built
+
+    check_tiny_budget(mt, config, file=file)
     try:
         model = build_tiny_model(mt, config, dtype=dtype, seed=seed, random_buffers=tiny.random_buffers if tiny else None)
         from engine.runtime.hub_functions import torch_path
