@@ -181,3 +181,21 @@ def test_a_difference_in_the_backward_only_names_the_module(qwen3) -> None:
     [row] = [r for r in report.rows if r.path == "model.layers.1.mlp"]
     assert row.result == "differs" and row.max_abs and "backward differs: dinput0" in row.note
     assert report.verdict == "differs"
+
+
+def test_an_activation_map_entry_is_seen_and_put_back(qwen3) -> None:
+    """``ACT2FN`` (a dict subclass whose ``__getitem__`` builds a module): its entry replaced is found, restored."""
+    from transformers import activations
+
+    before = dict.get(activations.ACT2FN, "silu")
+
+    def gelu_for_silu(model: nn.Module) -> None:
+        activations.ACT2FN["silu"] = activations.ACT2FN["gelu"].__class__
+
+    try:
+        report = audit(qwen3, gelu_for_silu)
+    finally:
+        dict.__setitem__(activations.ACT2FN, "silu", before)
+    assert dict.get(activations.ACT2FN, "silu") is before
+    assert any(r.change == "registry entry" and "ACT2FN" in r.path for r in report.rows)
+    assert report.model_identical  # built before the patch: this model's activations are its own modules

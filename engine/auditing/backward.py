@@ -35,12 +35,13 @@ class BackwardResult:
         self.max_abs = 0.0
         self.problem: str | None = None
 
-    def text(self) -> str:
+    def text(self, forward: str = "same") -> str:
         if self.problem:
             return f"backward unchecked: {self.problem}"
         worst = sorted(self.differs.items(), key=lambda kv: -kv[1])
         shown = ", ".join(f"d{name} {ratio:.2g}x" for name, ratio in worst[:4])
-        return f"backward differs: {shown} the original's own error (forward as shown)"
+        more = f" and {len(worst) - 4} more" if len(worst) > 4 else ""
+        return f"forward {forward}, backward differs: {shown}{more} the original's own error"
 
 
 def _gradients(module: nn.Module, args: Any, kwargs: Any, cotangents: list[torch.Tensor] | None,

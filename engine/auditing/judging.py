@@ -66,8 +66,9 @@ def judge_change(change: Change, rec: Recorded | None, patched: Any, original: A
         coarser = less_accurate(got, rec.expected, rec.truth)
         if coarser is not None:  # nothing we know reproduces it, and it is further from fp64 than the original
             row.result = "differs"
-            row.note = (f"no declaration reproduces it to the last bit, and its mean error against fp64 is {coarser:.2f}x "
+            row.note = (f"no declaration reproduces it to the ulp, and its mean error against fp64 is {coarser:.2f}x "
                         "the original's: it rounds more (a step in a lower precision), not only otherwise")
+            row.explanation = f"{row.explanation}; {row.note}" if row.explanation else ""
     if change.judged == "through":
         row.note = (row.note + "; " if row.note else "") + f"judged by running {_via(change)} again with it in place"
     return row

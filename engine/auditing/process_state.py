@@ -92,7 +92,7 @@ class _Record:
         self.module = module
         self.names = dict(vars(module))
         self.classes = {cls: dict(vars(cls)) for _, cls in _classes(module)}
-        self.registries = {label: (table, dict(table)) for label, table in _registries(module)}
+        self.registries = {label: (table, dict(dict.items(table))) for label, table in _registries(module)}
 
     def without(self, seen: set[int]) -> _Record:
         """Drop the registries another module's record already holds (``ALL_ATTENTION_FUNCTIONS`` is imported by
@@ -110,7 +110,7 @@ def _registries(module: types.ModuleType) -> Iterator[tuple[str, dict[Any, Any]]
     rebound, one entry of a registry is.
     """
     for name, value in list(vars(module).items()):
-        if type(value) is dict:
+        if isinstance(value, dict) and not isinstance(value, type):  # dict subclasses too: ACT2FN, ACT2CLS
             yield name, value
         elif isinstance(value, MutableMapping) and isinstance(inner := getattr(value, "__dict__", None), dict):
             yield from ((f"{name}.{k}", v) for k, v in inner.items() if type(v) is dict)
@@ -160,8 +160,8 @@ class ProcessState:
                         found.append(ProcessChange(f"{name}.{cls.__qualname__}", key, "class attribute", before, after,
                                                    cls, key))
             for label, (table, saved) in record.registries.items():
-                for key in list(saved.keys() | table.keys()):
-                    before, after = saved.get(key, _MISSING), table.get(key, _MISSING)
+                for key in list(saved.keys() | dict.keys(table)):  # dict's own: ACT2FN's __getitem__ builds a module
+                    before, after = saved.get(key, _MISSING), dict.get(table, key, _MISSING)
                     if before is not after and _patched(before, after):
                         found.append(ProcessChange(f"{name}.{label}", repr(key), "registry entry", before, after,
                                                    table, key))
@@ -207,6 +207,8 @@ def _patched(before: Any, after: Any) -> bool:
     flag), and an import sets a submodule on its package; neither is a patch, and neither is undone.
     """
     def code(value: Any) -> bool:
+        if isinstance(value, tuple) and value:  # ACT2FN's (class, kwargs) entries
+            value = value[0]
         return value is not _MISSING and callable(value) and not isinstance(value, types.ModuleType)
 
     return code(before) or code(after)

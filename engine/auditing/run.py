@@ -200,7 +200,8 @@ def _backward(row: Any, patched: Any, original: Any, rec: Any, device: torch.dev
     if result.problem:
         row.note = (row.note + "; " if row.note else "") + result.text()
     elif result.differs:
-        row.result, row.note = "differs", result.text()
+        row.result, row.note = "differs", result.text(row.result)
+        row.explanation = ""  # what the forward computes is not the finding
         row.ratio = max(row.ratio or 0.0, *result.differs.values())
         row.max_abs = max(row.max_abs or 0.0, result.max_abs)
 

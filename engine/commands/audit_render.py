@@ -89,12 +89,21 @@ def _colour(c: dict[str, Any] | None) -> tuple[str, str]:
         return "#eeeeee", ".."
     if verdict == "passes":
         return ("#1a9850" if not ratio else "#91cf60"), ""
+    if c.get("reading_only"):
+        return "#fddbc7", "\\\\"
     if ratio is None or ratio <= 3:
         return "#fee08b", ""
     return ("#fc8d59" if ratio <= 100 else "#d73027"), ""
 
 
-def render_png(data: dict[str, Any], path: Path) -> None:
+def render_png(data: dict[str, Any], path: Path, *, rows_per_panel: int = 80) -> None:
+    """Model types down, stacks x dtypes across, in side-by-side panels: readable at a page's width.
+
+    Why this way round: 150 model types across made labels of a few pixels at page width; ten narrow
+    columns (five stacks, two dtypes) with the types as rows keep every label at a legible size.
+    """
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,27 +113,37 @@ def render_png(data: dict[str, Any], path: Path) -> None:
     cells = _cells(data)
     stacks = [s for s in data["stacks"] if any(k[0] == s for k in cells)]
     types = sorted({t for (s, t, _), c in cells.items() if c["verdict"] != "not claimed"})
-    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.28 * len(types) + 2.5), 2.2 + 0.9 * len(stacks)), squeeze=False)
-    for ax, dtype in zip(axes[:, 0], ("fp32", "bf16"), strict=True):
-        for i, stack in enumerate(stacks):
-            for j, t in enumerate(types):
+    columns = [(s, d) for s in stacks for d in ("fp32", "bf16")]
+    panels = max(1, math.ceil(len(types) / rows_per_panel))
+    rows = math.ceil(len(types) / panels)
+    fig, axes = plt.subplots(1, panels, figsize=(3.4 * panels, 1.6 + 0.16 * rows), squeeze=False)
+    for p, ax in enumerate(axes[0]):
+        mine = types[p * rows:(p + 1) * rows]
+        for i, t in enumerate(mine):
+            for j, (stack, dtype) in enumerate(columns):
                 face, hatch = _colour(cells.get((stack, t, dtype)))
-                ax.add_patch(Rectangle((j, i), 1, 1, facecolor=face, hatch=hatch, edgecolor="white", linewidth=0.8))
-        ax.set_xlim(0, len(types))
-        ax.set_ylim(len(stacks), 0)
-        ax.set_yticks([i + 0.5 for i in range(len(stacks))], [_STACK_NAMES.get(s, s) for s in stacks], fontsize=8)
-        ax.set_xticks([j + 0.5 for j in range(len(types))], types, rotation=90, fontsize=6)
-        ax.set_title(f"{dtype}: worst difference relative to the original's own rounding error", fontsize=9)
+                ax.add_patch(Rectangle((j, i), 1, 1, facecolor=face, hatch=hatch, linewidth=0.6,
+                                       edgecolor="#999999" if hatch else "white"))
+        ax.set_xlim(0, len(columns))
+        ax.set_ylim(rows, 0)
+        ax.set_yticks([i + 0.5 for i in range(len(mine))], mine, fontsize=7)
+        ax.set_xticks([j + 0.5 for j in range(len(columns))],
+                      [f"{_STACK_NAMES.get(s, s)} {d}" for s, d in columns], rotation=90, fontsize=7)
+        ax.xaxis.tick_top()
         ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+    fig.suptitle("audit: worst difference relative to the original's own rounding error", fontsize=9)
     legend = [Patch(facecolor="#1a9850", label="bit-equal"), Patch(facecolor="#91cf60", label="passes (within 3x)"),
               Patch(facecolor="#fee08b", label="differs, <= 3x (another declaration)"),
               Patch(facecolor="#fc8d59", label="differs, 3-100x"), Patch(facecolor="#d73027", label="differs, > 100x"),
+              Patch(facecolor="#fddbc7", hatch="\\\\", label="differs on an interpreter/emulator reading only"),
               Patch(facecolor="#bdbdbd", label="unchecked"), Patch(facecolor="#bdbdbd", hatch="//", label="patch raised"),
               Patch(facecolor="#eeeeee", hatch="..", label="changes nothing"),
               Patch(facecolor="white", edgecolor="#999999", hatch="xx", label="not run yet"),
               Patch(facecolor="white", edgecolor="#999999", label="not claimed")]
-    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 1.1 / (1.6 + 0.16 * rows), 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
