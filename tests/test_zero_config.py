@@ -258,3 +258,51 @@ def test_trainer_callback_with_no_name_measures_and_trains_like_unpatched(tmp_pa
     assert engine.is_patched(model) and callback.report is not None
     assert callback.report.zero_config.source == "measured" and callback.report.zero_config.patched
     assert max(abs(a - b) for a, b in zip(reference, patched, strict=True)) <= TOL
+
+
+# ------------------------------------------------------------------- the command line
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from engine.commands.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_plan_and_verify_take_no_patchset() -> None:
+    import json
+
+    code, out, err = _cli(["plan", "--model-type", "qwen3"])
+    assert code == 0, err
+    assert "the bundled patchset 'qwen3'" in out
+    code, out, err = _cli(["plan", "measure", "--model-type", "qwen3", "--json"])
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["zero_config"]["source"] == "measured" and data["zero_config"]["patched"]
+    assert any(d["action"] == "patch" for d in data["decisions"])
+    code, out, err = _cli(["verify", "measure", "--model-type", "qwen3"])
+    assert code == 0, err
+    assert "verify (zero configuration)" in out and "passed" in out
+    code, _, err = _cli(["verify"])
+    assert code == 2 and "--model-type" in err
+
+
+def test_cli_plan_of_a_remote_code_folder_with_no_patchset(tmp_path: Path) -> None:
+    import json
+
+    from remote_checkpoint import isolated_modules_cache, write_checkpoint
+
+    with isolated_modules_cache(tmp_path):
+        folder = write_checkpoint(tmp_path / "toyllama_ckpt")
+        code, out, err = _cli(["plan", "--model", str(folder), "--trust-remote-code", "--json"])
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["zero_config"]["source"] == "measured"
+    assert any(line.startswith("ToyRMSNorm: rms_norm") for line in data["zero_config"]["patched"])

@@ -86,7 +86,15 @@ def _tiny_model_for(patchset: Any, model_type: str | None, dtype: str) -> Any:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from engine.loader import load_patchset
     from engine.planning.planner import plan
+    from engine.zeroconfig import is_zero_config
 
+    if is_zero_config(args.patchset):
+        from engine.commands.zero_config import plan_zero_config
+
+        return plan_zero_config(args)
+    if args.model or args.trust_remote_code:
+        raise InvalidArgument("plan --model FOLDER plans zero configuration for a checkpoint folder: leave the "
+                              "patchset out (or give auto / measure)")
     ps = load_patchset(args.patchset)
     model = _tiny_model_for(ps, args.model_type, "fp32")
     the_plan = plan(model, ps, device=args.device, mode=args.mode)
@@ -113,6 +121,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.runtime.devices import as_device, require_present
     from engine.schema import Device
 
+    from engine.zeroconfig import is_zero_config
+
+    if is_zero_config(args.patchset):
+        from engine.commands.zero_config import verify_zero_config
+
+        return verify_zero_config(args)
     if args.model or args.gguf:
         if args.interpret:
             raise InvalidArgument("--interpret verifies on a tiny model; a checkpoint runs on its own device")
@@ -262,7 +276,10 @@ def _parser() -> argparse.ArgumentParser:
         ("verify", _cmd_verify, "apply to a tiny model and compare patched vs original numerically"),
     ):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("patchset", help="bundled name (qwen3) or a .yaml path (qwen3.yaml: ./qwen3.yaml if it exists)")
+        p.add_argument("patchset", nargs="?", default=None,
+                       help="bundled name (qwen3) or a .yaml path (qwen3.yaml: ./qwen3.yaml if it exists); left out "
+                            "(or auto): zero configuration, the bundled patchset of the model's type, else "
+                            "declarations measured on it; measure: measured even where a bundled one exists")
         p.add_argument("--model-type", help="model_type of the tiny model (default: the patchset's)")
         p.add_argument("--device", help="cpu, cuda, npu, xpu, mps (default: current accelerator)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -270,6 +287,10 @@ def _parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--mode", choices=("training", "inference"), default="training")
             p.add_argument("--detail", action="store_true", help="one row per module")
+            p.add_argument("--model", metavar="FOLDER",
+                           help="with no patchset: a tiny model of this checkpoint folder's config (remote code too)")
+            p.add_argument("--trust-remote-code", action="store_true",
+                           help="run the folder's own modeling code (its config.json auto_map); read it first")
         else:
             p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the model")
             p.add_argument("--detail", action="store_true", help="also one row per check")

@@ -105,7 +105,7 @@ class ZeroConfigReport:
             lines.append(f"  verified on the tiny copy ({v['device']}, {v['dtype']}, {v['mode']}): {v['checks']} checks "
                          f"in {v['seconds']} s; {where}")
         lines += [f"  patched: {p}" for p in self.patched]
-        lines += [f"  not patched, failed verification: {d}: {why}" for d, why in self.failed.items()]
+        lines += [f"  not patched, not verified on the tiny copy: {d}: {why}" for d, why in self.failed.items()]
         lines += [f"  not patched: {line}" for line in self.not_patched]
         return "\n".join(lines)
 

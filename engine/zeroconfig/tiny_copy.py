@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ def _source_digest(obj: Any) -> str:
     module = sys.modules.get(getattr(obj, "__module__", ""), None)
     try:
         path = inspect.getsourcefile(module) if module is not None else None
-        data = open(path, "rb").read() if path else b""  # noqa: SIM115, PTH123
+        data = Path(path).read_bytes() if path else b""
     except (OSError, TypeError):
         data = b""
     return hashlib.sha256(data).hexdigest()[:16]

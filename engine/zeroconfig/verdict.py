@@ -124,7 +124,14 @@ def _run(model: nn.Module, plan: Plan, fused: Any) -> MeasuredVerdict:
                         break
                     report, decisions = _verify_once(tiny, subset(patchset, remaining), plan, fused)
                     verdict.checks += len(report.checks)
-                    if report.passed:
+                    installed = {remaining[d.patch_index] for d in decisions if d.action == "patch"}
+                    unverified = {i: "it patches modules of this model but none of its tiny copy, so nothing verified "
+                                     "it" for i in remaining if i not in installed}
+                    if report.passed and not unverified:
+                        break
+                    if report.passed:  # verified what ran; what did not run in the tiny copy is not applied
+                        verdict.failed.update(unverified)
+                        remaining = [i for i in remaining if i not in unverified]
                         break
                     bad = _failed_indices(report, decisions, remaining)
                     if not bad:  # only the whole model differs: each patch alone says which

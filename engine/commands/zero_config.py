@@ -1,0 +1,87 @@
+"""``patch-engine plan`` and ``verify`` with no patchset: zero configuration, as ``engine.apply(model)`` does it.
+
+``patch-engine plan --model-type olmo`` (or ``--model FOLDER``, remote code with
+``--trust-remote-code``) shows what :func:`engine.apply` with no patchset would patch on a tiny
+model: the bundled patchset of the type, else the declarations measured on it, verified (the
+verdict cached), and what is left unpatched and why. ``patch-engine verify --model-type olmo``
+applies it and runs the verifier. ``auto`` names the same; ``measure`` measures even where a
+bundled patchset exists. ``--json`` prints the report with its ``zero_config`` part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from engine.errors import InvalidArgument
+
+__all__ = ["plan_zero_config", "verify_zero_config"]
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def _model(args: argparse.Namespace, command: str) -> Any:
+    """The model ``plan``/``verify`` with no patchset work on: a tiny one of ``--model-type``, or of a folder's config."""
+    if getattr(args, "model", None) and command == "plan":
+        from engine.scaffolding.source import model_from_folder
+
+        return model_from_folder(args.model, trust_remote_code=args.trust_remote_code)[0]
+    if args.model_type:
+        from engine.tiny import build_tiny_model
+
+        return build_tiny_model(args.model_type)
+    where = "--model-type TYPE or --model FOLDER" if command == "plan" else "--model-type TYPE"
+    raise InvalidArgument(f"{command} with no patchset (zero configuration: the bundled patchset of the model's type, "
+                          f"else declarations measured on it) needs a model: {where}")
+
+
+def plan_zero_config(args: argparse.Namespace) -> int:
+    """``plan`` with no patchset (or ``auto``/``measure``): what ``engine.apply(model)`` would patch, and why."""
+    from engine.planning.planner import plan
+    from engine.planning.report import Report, format_decisions
+    from engine.zeroconfig import choose
+
+    model = _model(args, "plan")
+    choice = choose(model, args.patchset, device=args.device, mode=args.mode)
+    if choice.patchset is None:
+        assert choice.empty is not None
+        report = choice.empty
+    else:
+        report = Report.from_plan(plan(model, choice.patchset, device=args.device, mode=args.mode))
+        report.zero_config = choice.record
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(f"plan (zero configuration) for a tiny {report.model_type} ({type(model).__name__}) on {report.device} "
+              f"({report.mode}): patchset {report.patchset!r}")
+        print(choice.record)
+        print(format_decisions(report.decisions, detail=args.detail))
+    return EXIT_OK
+
+
+def verify_zero_config(args: argparse.Namespace) -> int:
+    """``verify`` with no patchset: ``engine.apply(tiny)`` with zero configuration, then the verifier on it."""
+    import engine
+
+    if args.model or args.gguf or args.interpret:
+        raise InvalidArgument("verify with no patchset runs on a tiny model of --model-type TYPE; for a checkpoint, "
+                              "name a patchset, or run engine.apply(model, verify=True) on it")
+    model = _model(args, "verify")
+    applied = engine.apply(model, args.patchset, device=args.device or "cpu")
+    try:
+        report = engine.verify(model, raise_on_failure=False) if applied.patched else None
+    finally:
+        if engine.is_patched(model):
+            engine.revert(model)
+    passed = report is None or report.passed
+    if args.json:
+        data = {"ok": passed, "patchset": applied.patchset, "model_type": applied.model_type,
+                "model": type(model).__name__, "device": applied.device, "zero_config": applied.zero_config.to_dict(),
+                **(report.to_dict() if report is not None else {"checks": []})}
+        print(json.dumps(data, indent=2))
+    else:
+        print(f"verify (zero configuration) on a tiny {applied.model_type} ({type(model).__name__}, {applied.device})")
+        print(applied.zero_config)
+        print(report if report is not None else "nothing patched, nothing to verify")
+    return EXIT_OK if passed else EXIT_FAILED
