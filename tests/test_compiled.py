@@ -467,3 +467,23 @@ def test_a_failed_backward_compile_falls_back_to_the_reference_with_a_warning() 
         warnings.simplefilter("error")
         kernel(x).sum().backward()  # the reference now, no second warning
     assert torch.equal(x.grad, torch.full((4,), 2.0))
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="only torch's CUDA builds look for a CUDA toolkit")
+def test_no_cuda_runtime_note_from_the_cpu_compiler(tmp_path) -> None:
+    """With PyPI's CUDA build on a machine without a GPU but with a CUDA toolkit, importing inductor's C++ build
+    logs "No CUDA runtime is found": every CLI call that compiled printed it. The compiled kernels import it
+    without that one record."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}  # a toolkit's folder, as nvcc on the PATH gives
+    plain = "import torch.utils.cpp_extension"
+    ours = "from engine.kernels.inductor_env import import_cpp_extension_quietly as q; q(); " + plain
+    said = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stderr
+            for code in (plain, ours)]
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: torch does not log the note")
+    assert "No CUDA runtime is found" in said[0]  # what a user saw
+    assert "No CUDA runtime is found" not in said[1], said[1]

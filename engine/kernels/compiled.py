@@ -46,6 +46,7 @@ import torch
 
 from engine.errors import MissingDependency
 from engine.kernels.compiled_rule import RULE_FILE, only_where, rule, rule_text
+from engine.kernels.inductor_env import import_cpp_extension_quietly
 from engine.kernels.registry import KernelProvider, register
 from engine.runtime.control_flow import not_a_failure
 from engine.schema import Device
@@ -152,6 +153,7 @@ def _compile(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     fallback at the recompile limit into an exception (``FailOnRecompileLimitHit``) that
     :class:`_CompiledKernel` reports.
     """
+    import_cpp_extension_quietly()
     return torch.compile(_own_code(fn, name), dynamic=True, fullgraph=True)
 
 
