@@ -6,12 +6,14 @@ The patched run differs from the unpatched one by a single line, the callback::
 
 The data is synthetic: each sequence is a window of a fixed cyclic token pattern, so the
 next token is predictable and the loss falls. Both runs start from the same weights and see
-the same batches; the script checks that their final losses agree within 1e-3 and writes
-``examples/train_tiny.png``.
+the same batches; the script checks that their final losses agree within 1e-3 and writes the
+plot to ``--png`` (default ``examples/out/train_tiny.png``, a folder git ignores: running the
+example never changes a tracked file; the picture in docs/training.md is ``examples/train_tiny.png``,
+written by passing that path).
 
 Usage (a couple of minutes on two CPU cores)::
 
-    PYTHONPATH=. python examples/train_tiny.py [--steps 300] [--png examples/train_tiny.png]
+    python examples/train_tiny.py [--steps 300] [--png PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from engine.integrations.transformers import PatchsetCallback
 
 VOCAB, PERIOD, SEQ = 128, 24, 48
 TOLERANCE = 1e-3
+#: Where the plot goes unless ``--png`` says otherwise: a folder git ignores (.gitignore).
+DEFAULT_PNG = Path(__file__).parent / "out" / "train_tiny.png"
 
 
 def build_model(seed: int = 0) -> Qwen3ForCausalLM:
@@ -104,7 +108,8 @@ def plot(unpatched: list[float], patched: list[float], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--png", type=Path, default=Path(__file__).with_suffix(".png"))
+    parser.add_argument("--png", type=Path, default=DEFAULT_PNG,
+                        help="where the plot goes (default: examples/out/, ignored by git)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads; a model this small gains nothing from more, and on a busy machine "
                         "OpenMP threads spinning against other processes made a step 100x slower (2.4 s vs 20 ms)")
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         unpatched = train(patched=False, steps=opts.steps, output_dir=f"{tmp}/unpatched")
         patched = train(patched=True, steps=opts.steps, output_dir=f"{tmp}/patched")
+    opts.png.parent.mkdir(parents=True, exist_ok=True)
     plot(unpatched, patched, opts.png)
     gap = abs(patched[-1] - unpatched[-1])
     worst = max(abs(a - b) for a, b in zip(patched, unpatched))
