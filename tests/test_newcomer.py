@@ -37,6 +37,18 @@ def readme_install_commands() -> list[str]:
     return [line for line in lines if line.startswith("pip install")]
 
 
+def readme_test_command() -> str:
+    """The README's test command: the line of the first ```bash block under ## Tests that runs pytest."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"\n## Tests\n(.*?)(?:\n## |\Z)", text, re.DOTALL)
+    assert section, "README.md has no ## Tests section"
+    for block in re.findall(r"```bash\n(.*?)```", section.group(1), re.DOTALL):
+        for line in block.splitlines():
+            if "pytest" in line.split("#", 1)[0]:
+                return line.split("#", 1)[0].strip()
+    raise AssertionError("README.md's ## Tests section shows no pytest command in a ```bash block")
+
+
 def test_the_readme_install_block_is_what_a_newcomer_runs() -> None:
     commands = readme_install_commands()
     assert commands[0].startswith("pip install torch") and any('-e ".[dev]"' in c for c in commands), commands
@@ -67,3 +79,16 @@ def test_the_readmes_commands_with_the_newest_releases_patch_verify_and_print_nu
     assert re.search(r"qwen3 \(\w+, training\): [1-9]\d* patched", shown), shown  # it patched
     assert "verification passed" in shown  # it verified
     assert "numbers match" in shown and "logits max |diff|" in shown  # and printed the numbers
+
+
+def test_ci_runs_the_readmes_own_path() -> None:
+    """.ci/readme-path takes its commands from README.md (this module), so the README and CI cannot drift apart."""
+    script = (ROOT / ".ci" / "readme-path").read_text(encoding="utf-8")
+    assert "tests/test_newcomer.py install" in script and "tests/test_newcomer.py test" in script
+    assert readme_test_command() == "python -m pytest -q"
+    assert "readme-path" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+if __name__ == "__main__":  # .ci/readme-path: the README's commands, one a line
+    what = sys.argv[1] if len(sys.argv) > 1 else "install"
+    print("\n".join(readme_install_commands()) if what == "install" else readme_test_command())
