@@ -35,7 +35,9 @@ JUDGED_AGAINST_FP32 = {name for name in NAMES if any(p.op == "moe_experts" for p
 
 def _loss_logits_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     model.zero_grad(set_to_none=True)
-    out = model(**batch)
+    with torch.random.fork_rng():  # the same draws both ways: PhiMoE's router samples its experts in training
+        torch.manual_seed(0)
+        out = model(**batch)
     if "last_hidden_state" in out:  # a base model (no LM head): its hidden states and their surrogate loss
         loss = surrogate_loss(out.last_hidden_state)
         loss.backward()

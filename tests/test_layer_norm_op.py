@@ -56,8 +56,9 @@ def test_wrong_scale_is_off_and_the_alternative_fits() -> None:
     declared = LayerNormPatch(target="NemotronLayerNorm1P", op="layer_norm")  # scale: weight, wrong here
     x = torch.randn(4, 32)
     assert not torch.allclose(_run(module, declared, x), module(x), atol=1e-2)
-    [(label, alt)] = list(get_op("layer_norm").alternatives(declared))
-    assert label == "scale: one_plus_weight" and torch.equal(_run(module, alt, x), module(x))
+    alternatives = dict(get_op("layer_norm").alternatives(declared))
+    assert list(alternatives) == ["scale: one_plus_weight", "form: centered"]
+    assert torch.equal(_run(module, alternatives["scale: one_plus_weight"], x), module(x))
 
 
 def test_multi_dimensional_normalized_shape_is_refused() -> None:
@@ -77,3 +78,97 @@ def test_scaffold_candidates_include_the_declaration() -> None:
     x = torch.randn(4, 32)
     exact = [p for p in get_op("layer_norm").candidates(module) if torch.equal(_run(module, p, x), module(x))]
     assert [(p.scale, p.eps_attr, p.weight_attr) for p in exact] == [(Scale.one_plus_weight, "eps", "weight")]
+
+
+
+# ------------------------------------------------- OLMo 1 (no parameters), Cohere (centered, per head)
+
+
+def _olmo_norm() -> nn.Module:
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    return OlmoLayerNorm(32)
+
+
+def _cohere_norm(per_head: bool = False) -> nn.Module:
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    return CohereLayerNorm((4, 32) if per_head else 32, eps=1e-5)
+
+
+VARIANTS = [
+    ("OlmoLayerNorm", _olmo_norm, {"weight_attr": None, "eps": 1e-5, "precision": "fp32"}),
+    ("CohereLayerNorm", _cohere_norm, {"eps_attr": "variance_epsilon", "form": "centered"}),
+    ("CohereLayerNorm-per-head", lambda: _cohere_norm(per_head=True),
+     {"eps_attr": "variance_epsilon", "form": "centered"}),
+]
+
+
+def _input(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    shape = (2, 7, 4, 32) if getattr(module, "weight", torch.empty(1)).dim() == 2 else (2, 7, 32)
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 3 + 1).to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize(("name", "make", "declared"), VARIANTS, ids=[v[0] for v in VARIANTS])
+@DTYPES
+def test_variants_are_bit_exact_with_their_forward_and_grads(name, make, declared, dtype) -> None:
+    module = perturb_(make(), seed=1).to(dtype)
+    patch = LayerNormPatch(target=type(module).__name__, op="layer_norm", **declared)
+    get_op("layer_norm").check_target(module, patch)
+    x = _input(module, dtype)
+    params = list(module.parameters())
+    want = type(module).forward(module, x)
+    grads_want = torch.autograd.grad(want.float().pow(2).sum(), [x, *params])
+    got = _run(module, patch, x)
+    grads_got = torch.autograd.grad(got.float().pow(2).sum(), [x, *params])
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for a, b in zip(grads_got, grads_want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("name", "make", "declared"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_variant_candidates_hold_exactly_the_declaration(name, make, declared) -> None:
+    """What the scaffold relies on: the candidates hold the declaration, and it alone is exact (fp32 and bf16)."""
+    module = perturb_(make(), seed=1)
+    exact = []
+    for patch in get_op("layer_norm").candidates(module):
+        try:
+            get_op("layer_norm").check_target(module, patch)
+        except SignatureMismatch:
+            continue
+        ok = True
+        for dtype in (torch.float32, torch.bfloat16):
+            m = copy.deepcopy(module).to(dtype)
+            x = _input(m, dtype).detach()
+            ok = ok and torch.equal(_run(m, patch, x), m(x))
+        if ok:
+            exact.append(patch)
+    assert len(exact) == 1, exact
+    assert {k: getattr(exact[0], k) for k in declared} == LayerNormPatch(
+        target="X", op="layer_norm", **declared).model_dump(include=set(declared))
+
+
+def test_centered_and_functional_forms_differ_so_measuring_tells_them_apart() -> None:
+    module = perturb_(_cohere_norm(), seed=1)
+    x = _input(module, torch.float32).detach()
+    functional = LayerNormPatch(target="CohereLayerNorm", op="layer_norm", eps_attr="variance_epsilon")
+    assert not torch.equal(_run(module, functional, x), module(x))
+    assert (_run(module, functional, x) - module(x)).abs().max() < 1e-5  # the same function, other rounding
+
+
+def test_a_literal_eps_is_named_when_no_attribute_holds_one() -> None:
+    with pytest.raises(SignatureMismatch, match="writes eps as a literal: declare eps: 1e-05"):
+        get_op("layer_norm").check_target(_olmo_norm(), LayerNormPatch(target="OlmoLayerNorm", op="layer_norm",
+                                                                       weight_attr=None))
+
+
+def test_weight_attr_null_is_refused_on_a_norm_with_a_weight() -> None:
+    patch = LayerNormPatch(target="LayerNorm", op="layer_norm", weight_attr=None)
+    with pytest.raises(SignatureMismatch, match="has parameters weight, but weight_attr: null"):
+        get_op("layer_norm").check_target(nn.LayerNorm(32), patch)
+
+
+def test_a_per_head_weight_needs_the_centered_form() -> None:
+    patch = LayerNormPatch(target="CohereLayerNorm", op="layer_norm", eps_attr="variance_epsilon")
+    with pytest.raises(SignatureMismatch, match="per-head"):
+        get_op("layer_norm").check_target(_cohere_norm(per_head=True), patch)

@@ -150,14 +150,14 @@ def test_wrong_enum_value_with_line(tmp_path):
 def test_missing_op(tmp_path):
     path = write(tmp_path, "x.yaml", VALID.replace("    op: swiglu\n", ""))
     assert str(error_of(path)) == (
-        f"{path}:7: patches[1]: missing required key 'op' (one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts')"
+        f"{path}:7: patches[1]: missing required key 'op' (one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'mlp', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts')"
     )
 
 
 def test_unknown_op(tmp_path):
     path = write(tmp_path, "x.yaml", VALID.replace("op: rms_norm", "op: rmsnorm"))
     assert str(error_of(path)) == (
-        f"{path}:5: patches[0].op: op 'rmsnorm' is not one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts'; did you mean 'rms_norm'?"
+        f"{path}:5: patches[0].op: op 'rmsnorm' is not one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'mlp', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts'; did you mean 'rms_norm'?"
     )
 
 
@@ -209,7 +209,7 @@ def test_all_errors_are_reported_in_line_order(tmp_path):
     assert lines == [
         f"{path}:2: nmae: unknown key 'nmae'; did you mean 'name'?",
         f"{path}:7: patches[0].scale: 'one_plus_weigth' is not one of 'weight', 'one_plus_weight'",
-        f"{path}:9: patches[1].op: op 'swigl' is not one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts'; did you mean 'swiglu'?",
+        f"{path}:9: patches[1].op: op 'swigl' is not one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'mlp', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts'; did you mean 'swiglu'?",
     ]
     assert (err.line, err.key) == (2, "nmae")
     assert [str(e) for e in err.errors] == lines
@@ -317,7 +317,7 @@ def test_error_in_base_reports_base_file(tmp_path):
     child = write(tmp_path, "child.yaml", "name: child\nextends: base\npatches:\n  - target: X\n    op: swigl\n")
     err = error_of(child)
     assert str(err).splitlines() == [
-        f"{child}:5: patches[3].op: op 'swigl' is not one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts'; did you mean 'swiglu'?",
+        f"{child}:5: patches[3].op: op 'swigl' is not one of 'rms_norm', 'gated_rms_norm', 'swiglu', 'geglu', 'layer_norm', 'mlp', 'rope', 'linear_attention', 'fused_linear_cross_entropy', 'moe_experts'; did you mean 'swiglu'?",
         f"{base}:8: patches[0].scale: 'wieght' is not one of 'weight', 'one_plus_weight'",
     ]
 

@@ -162,3 +162,102 @@ def test_scaffold_candidates_include_the_declaration_and_only_it_is_exact(module
             exact.append(patch)
     assert len(exact) == 1
     assert all(getattr(exact[0], k) == v for k, v in declared.items())
+
+
+# ---------------------------------------------------------------------------------- mlp (no gate)
+
+UNGATED_CLASSES = [
+    # (module path, class, config class, config keys, declaration)
+    ("gpt_neox.modeling_gpt_neox", "GPTNeoXMLP", "GPTNeoXConfig", {"num_attention_heads": 4},
+     {"activation": "gelu", "up_proj": "dense_h_to_4h", "down_proj": "dense_4h_to_h", "act_attr": "act"}),
+    ("phi.modeling_phi", "PhiMLP", "PhiConfig", {"num_attention_heads": 4},
+     {"activation": "gelu_new", "up_proj": "fc1", "down_proj": "fc2", "act_attr": "activation_fn"}),
+    ("starcoder2.modeling_starcoder2", "Starcoder2MLP", "Starcoder2Config", {"num_attention_heads": 4},
+     {"activation": "gelu_tanh", "up_proj": "c_fc", "down_proj": "c_proj", "act_attr": "act",
+      "dropout_attr": "residual_dropout"}),
+    ("falcon.modeling_falcon", "FalconMLP", "FalconConfig", {"ffn_hidden_size": 48, "num_attention_heads": 4},
+     {"activation": "gelu", "up_proj": "dense_h_to_4h", "down_proj": "dense_4h_to_h", "act_attr": "act"}),
+    ("nemotron_h.modeling_nemotron_h", "NemotronHMLP", "NemotronHConfig", {"mlp_bias": True},
+     {"activation": "relu2", "up_proj": "up_proj", "down_proj": "down_proj", "act_attr": "act_fn"}),
+    ("nemotron.modeling_nemotron", "NemotronMLP", "NemotronConfig", {"mlp_bias": True},
+     {"activation": "relu2", "up_proj": "up_proj", "down_proj": "down_proj", "act_attr": "act_fn"}),
+]
+
+
+def _ungated(path: str, cls: str, config_cls: str, cfg: dict) -> torch.nn.Module:
+    return _mlp(path, cls, config_cls, **cfg)
+
+
+@pytest.mark.parametrize(("path", "cls", "config", "cfg", "declared"), UNGATED_CLASSES,
+                         ids=[c[1] for c in UNGATED_CLASSES])
+@DTYPES
+def test_ungated_mlp_is_bit_exact_with_every_family(path, cls, config, cfg, declared, dtype) -> None:
+    from engine.schema import MlpPatch
+
+    module = _ungated(path, cls, config, cfg)
+    _patched_equals_own_forward(module, MlpPatch(target=cls, op="mlp", **declared), dtype)
+
+
+@pytest.mark.parametrize(("path", "cls", "config", "cfg", "declared"), UNGATED_CLASSES,
+                         ids=[c[1] for c in UNGATED_CLASSES])
+def test_ungated_candidates_hold_exactly_one_exact_declaration(path, cls, config, cfg, declared) -> None:
+    """What the scaffold relies on: among the mlp candidates, one declaration is exact, the bundled one."""
+    module = _ungated(path, cls, config, cfg)
+    op = get_op("mlp")
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
+    want = module(x)
+    exact = []
+    for p in op.candidates(module):
+        try:  # the other order of the two projections does not run (shapes): the scaffold counts it as no match
+            got = op.bind(module, p, registry.get("torch", "mlp").build(p))(module, x)
+        except RuntimeError:
+            continue
+        if torch.equal(got, want):
+            exact.append(p)
+    assert len(exact) == 1, exact
+    assert {k: getattr(exact[0], k) for k in declared} == declared
+
+
+def test_gelu_new_and_tanh_gelu_are_different_declarations() -> None:
+    """Phi's gelu_new writes the tanh GELU out: not bit-equal to F.gelu(approximate='tanh'), so refused as that."""
+    from engine.schema import MlpPatch
+
+    module = _mlp("phi.modeling_phi", "PhiMLP", "PhiConfig", num_attention_heads=4)
+    wrong = MlpPatch(target="PhiMLP", op="mlp", activation="gelu_tanh", up_proj="fc1", down_proj="fc2",
+                     act_attr="activation_fn")
+    with pytest.raises(SignatureMismatch, match="does not compute gelu_tanh exactly \\(activation: gelu_new fits\\)"):
+        get_op("mlp").check_target(module, wrong)
+
+
+def test_dropout_in_the_forward_is_declared_or_refused() -> None:
+    """StarCoder2 applies residual dropout to the MLP's output: without dropout_attr the op refuses, with it
+    the patched forward draws the same mask from the same generator state as the original."""
+    from engine.schema import MlpPatch
+
+    module = _mlp("starcoder2.modeling_starcoder2", "Starcoder2MLP", "Starcoder2Config", residual_dropout=0.5,
+                  num_attention_heads=4).train()
+    plain = MlpPatch(target="Starcoder2MLP", op="mlp", activation="gelu_tanh", up_proj="c_fc", down_proj="c_proj",
+                     act_attr="act")
+    with pytest.raises(SignatureMismatch, match="applies dropout.*declare dropout_attr.*residual_dropout"):
+        get_op("mlp").check_target(module, plain)
+    declared = plain.model_copy(update={"dropout_attr": "residual_dropout"})
+    get_op("mlp").check_target(module, declared)
+    forward = get_op("mlp").bind(module, declared, registry.get("torch", "mlp").build(declared))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(7)
+    want = module(x)
+    torch.manual_seed(7)
+    got = forward(module, x)
+    assert torch.equal(got, want) and (want == 0).any()  # the same mask, and dropout did drop
+
+
+
+def test_ungated_mlp_refuses_projections_that_do_not_chain() -> None:
+    from engine.schema import MlpPatch
+
+    module = _mlp("gpt_neox.modeling_gpt_neox", "GPTNeoXMLP", "GPTNeoXConfig", num_attention_heads=4)
+    module.dense_4h_to_h = torch.nn.Linear(40, 32)
+    declared = MlpPatch(target="GPTNeoXMLP", op="mlp", activation="gelu", up_proj="dense_h_to_4h",
+                        down_proj="dense_4h_to_h", act_attr="act")
+    with pytest.raises(SignatureMismatch, match="do not chain as up then down"):
+        get_op("mlp").check_target(module, declared)

@@ -126,10 +126,10 @@ def test_layout_specific_settings_are_refused_elsewhere() -> None:
 @pytest.mark.parametrize(
     ("module", "name", "expected"),
     [
-        ("glm.modeling_glm", "apply_rotary_pos_emb", {"half", "interleaved"}),
+        ("glm.modeling_glm", "apply_rotary_pos_emb", {"half", "interleaved", "interleaved_repeated"}),
         ("deepseek_v3.modeling_deepseek_v3", "apply_rotary_pos_emb_interleave", {"interleaved_to_half"}),
         ("llama4.modeling_llama4", "apply_rotary_emb", {"complex"}),
-        ("qwen2_vl.modeling_qwen2_vl", "apply_rotary_pos_emb_vision", {"half", "interleaved"}),
+        ("qwen2_vl.modeling_qwen2_vl", "apply_rotary_pos_emb_vision", {"half", "interleaved", "interleaved_repeated"}),
     ],
 )
 def test_scaffold_candidates_follow_the_signature(module, name, expected) -> None:

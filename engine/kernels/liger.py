@@ -27,8 +27,12 @@
 * ``geglu``: ``LigerGELUMulFunction.apply(gate, up)`` (tanh GELU only; ``approximate: none``
   is refused).
 * ``layer_norm``: ``LigerLayerNormFunction.apply(x, w, b, eps)``; ``1 + w`` formed as the
-  reference forms it (in the weight's dtype, as Nemotron), a missing bias passed as zeros
-  (liger's kernel always reads one).
+  reference forms it (in the weight's dtype, as Nemotron), a missing bias passed as zeros and
+  a missing weight as ones (OLMo 1; liger's kernel always reads both). Its kernel computes
+  ``(x - mean) * rstd * w + b`` in fp32 and rounds once, which is both forms (``functional``,
+  ``centered``: Cohere) and ``precision: fp32``; a per-head weight (Cohere's q/k norms) is refused.
+* ``mlp`` (no gate): ``LigerReLUSquaredFunction`` for ``relu2`` (Nemotron-H); liger has no
+  kernel for the other activations of an ungated MLP (its GELU kernel is GeGLU's gated one).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 
 from engine.kernels.registry import Dependency, KernelProvider, register
 from engine.ops.rms_norm import rms_norm_reference
-from engine.schema import CastOrder, Device, GeluApproximate, Precision, RopeLayout, RopePatch, Scale
+from engine.schema import CastOrder, Device, GeluApproximate, MlpActivation, Precision, RopeLayout, RopePatch, Scale
 
 __all__ = ["LIGER", "liger_rms_norm_arguments"]
 
@@ -121,12 +125,40 @@ def _build_layer_norm(patch: Any) -> Callable[..., torch.Tensor]:
 
     scale = patch.scale
 
-    def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        if weight is None:  # OLMo 1: no parameters; liger's kernel always reads a weight and a bias
+            weight = _ones(x.shape[-1], x.dtype, x.device)
         if bias is None:
             bias = _zeros(weight.shape[0], weight.dtype, weight.device)
         return LigerLayerNormFunction.apply(x, layer_norm_weight(weight, scale), bias, eps)
 
     return layer_norm
+
+
+def _layer_norm_supports(settings: Any) -> str | None:
+    if getattr(settings, "per_head", False):
+        return "LigerLayerNormFunction takes a 1-d weight; a per-head (heads, head_dim) weight is not mapped"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, dtype=dtype, device=device)
+
+
+def _build_mlp(patch: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    from liger_kernel.ops.relu_squared import LigerReLUSquaredFunction
+
+    def relu_squared(h: torch.Tensor) -> torch.Tensor:
+        return LigerReLUSquaredFunction.apply(h)
+
+    return relu_squared
+
+
+def _mlp_supports(patch: Any) -> str | None:
+    if patch.activation is not MlpActivation.relu2:
+        return f"liger has no kernel for an ungated {patch.activation.value} MLP (LigerReLUSquaredFunction: relu2 only)"
+    return None
 
 
 def _build_rope(patch: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -172,7 +204,7 @@ def _build_rope(patch: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _rope_supports(patch: Any) -> str | None:
-    if patch.layout in (RopeLayout.interleaved, RopeLayout.interleaved_to_half):
+    if patch.layout in (RopeLayout.interleaved, RopeLayout.interleaved_to_half, RopeLayout.interleaved_repeated):
         return f"liger has no kernel for the {patch.layout.value} rotary layout"
     if patch.upcast and patch.unsqueeze_dim != -2:
         return "liger's fp32 rotary path is the vision layout (seq, heads, dim) with unsqueeze_dim -2 only"
@@ -189,5 +221,7 @@ register(KernelProvider(name="liger", op="rope", build=_build_rope, supports=_ro
                         description="LigerRopeFunction (half layout), LigerLlama4RopeFunction (complex)", **_COMMON))
 register(KernelProvider(name="liger", op="geglu", build=_build_geglu, supports=_geglu_supports,
                         description="LigerGELUMulFunction (tanh GELU)", **_COMMON))
-register(KernelProvider(name="liger", op="layer_norm", build=_build_layer_norm,
-                        description="LigerLayerNormFunction", **_COMMON))
+register(KernelProvider(name="liger", op="layer_norm", build=_build_layer_norm, supports=_layer_norm_supports,
+                        description="LigerLayerNormFunction (both forms: it computes in fp32, rounds once)", **_COMMON))
+register(KernelProvider(name="liger", op="mlp", build=_build_mlp, supports=_mlp_supports,
+                        description="LigerReLUSquaredFunction (relu2)", **_COMMON))

@@ -8,7 +8,10 @@ Op contracts used (``torch_npu/_op_plugin_docs.py``):
 * ``npu_swiglu(x, dim=-1)``: ``silu(a) * b`` with ``a, b = x.chunk(2, dim)``.
 * ``npu_rotary_mul(x, r1, r2, rotary_mode)``: ``half``: ``x * r1 + cat(-x2, x1) * r2`` (x1, x2
   the halves); ``interleave``: ``x * r1 + stack(-x_odd, x_even).flatten(-2) * r2`` (GLM's
-  layout, with ``r1``/``r2`` repeated per pair); 4-D inputs.
+  layout, with ``r1``/``r2`` repeated per pair; Cohere's ``interleaved_repeated`` passes its
+  already repeated cos/sin as they are); 4-D inputs.
+* ``npu_gelu(x, approximate="none")``: GELU, ``"none"`` the erf form, ``"tanh"`` the tanh form
+  (the ``mlp`` op's ``gelu`` and ``gelu_tanh``; torch's own ``gelu`` on an NPU ignores ``approximate``).
 * ``npu_geglu(x, dim=-1, approximate=1) -> (y, gelu)``: ``x`` split in halves ``a, b`` along
   ``dim``, ``y = a * gelu(b)`` (``activate_left=False``, the default: the right half is
   activated); ``approximate`` 1 is tanh, 0 is erf.
@@ -103,7 +106,7 @@ def _build_rope(patch: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     npu = _torch_npu()
     patch = patch or RopePatch(op="rope")
     interleaved = patch.layout is RopeLayout.interleaved
-    mode = "interleave" if interleaved else "half"
+    mode = "interleave" if patch.layout in (RopeLayout.interleaved, RopeLayout.interleaved_repeated) else "half"
     default, upcast = patch.unsqueeze_dim, patch.upcast
 
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,7 +135,7 @@ def _build_rope(patch: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _rope_supports(patch: Any) -> str | None:
-    if patch.layout not in (RopeLayout.half, RopeLayout.interleaved):
+    if patch.layout not in (RopeLayout.half, RopeLayout.interleaved, RopeLayout.interleaved_repeated):
         return f"npu_rotary_mul has no {patch.layout.value} mode (only half and interleave)"
     return None
 
@@ -146,6 +149,23 @@ def _build_geglu(patch: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
         return npu.npu_geglu(torch.cat([up, gate], dim=-1), dim=-1, approximate=approximate)[0]
 
     return gelu_mul
+
+
+def _build_mlp(patch: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``npu_gelu(h, approximate)``: the erf GELU (``none``) or ``F.gelu``'s tanh form (``tanh``)."""
+    npu = _torch_npu()
+    approximate = "tanh" if patch.activation.value == "gelu_tanh" else "none"
+
+    def gelu(h: torch.Tensor) -> torch.Tensor:
+        return npu.npu_gelu(h, approximate=approximate)
+
+    return gelu
+
+
+def _mlp_supports(patch: Any) -> str | None:
+    if patch.activation.value not in ("gelu", "gelu_tanh"):
+        return f"torch_npu documents no fused {patch.activation.value} (npu_gelu: gelu and gelu_tanh only)"
+    return None
 
 
 def _build_gated_rms_norm(patch: Any) -> Callable[..., torch.Tensor]:
@@ -189,3 +209,5 @@ register(KernelProvider(name="npu", op="geglu", build=_build_geglu,
                         description="torch_npu.npu_geglu on cat([up, gate], -1)", **_COMMON))
 register(KernelProvider(name="npu", op="gated_rms_norm", build=_build_gated_rms_norm, supports=_gated_supports,
                         description="torch_npu.npu_rms_norm, then act(gate) in fp32", **_COMMON))
+register(KernelProvider(name="npu", op="mlp", build=_build_mlp, supports=_mlp_supports,
+                        description="torch_npu.npu_gelu (gelu, gelu_tanh)", **_COMMON))

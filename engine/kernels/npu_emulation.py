@@ -13,6 +13,7 @@ our provider, so that a wrong argument mapping in the provider shows up as wrong
 * ``npu_swiglu(x, dim=-1) -> silu(a) * b`` with ``a, b = x.chunk(2, dim)``.
 * ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + cat(-x2, x1) * r2``, 4-D inputs;
   ``rotary_mode="interleave"`` rotates adjacent pairs: ``x * r1 + stack(-x_odd, x_even) * r2``.
+* ``npu_gelu(x, approximate="none") -> gelu(x)`` (``"none"``: erf, ``"tanh"``: the tanh form).
 * ``npu_geglu(x, dim=-1, approximate=1, activate_left=False) -> (a * gelu(b), gelu(b))`` with
   ``a, b = x.chunk(2, dim)`` (approximate 1: tanh, 0: erf).
 
@@ -56,7 +57,7 @@ __all__ = ["EMULATED", "emulated_torch_npu", "make_torch_npu"]
 
 #: The ops emulated, by their documented names.
 EMULATED = ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_moe_token_permute", "npu_moe_token_unpermute",
-            "npu_grouped_matmul", "npu_geglu")
+            "npu_grouped_matmul", "npu_geglu", "npu_gelu")
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +98,13 @@ def npu_geglu(x: torch.Tensor, dim: int = -1, approximate: int = 1, activate_lef
         a, b = b, a
     gelu = F.gelu(b, approximate="tanh" if approximate == 1 else "none")
     return (a * gelu).to(x.dtype), gelu.to(x.dtype)
+
+
+def npu_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU of ``x`` (``"none"``: erf, ``"tanh"``: the tanh form), computed in fp32, in x's dtype."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"npu_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return F.gelu(x.float(), approximate=approximate).to(x.dtype)
 
 
 def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None,
@@ -170,6 +178,7 @@ def make_torch_npu() -> types.ModuleType:
     module.npu_moe_token_unpermute = npu_moe_token_unpermute  # type: ignore[attr-defined]
     module.npu_grouped_matmul = npu_grouped_matmul  # type: ignore[attr-defined]
     module.npu_geglu = npu_geglu  # type: ignore[attr-defined]
+    module.npu_gelu = npu_gelu  # type: ignore[attr-defined]
     module.calls = []  # type: ignore[attr-defined]
     for name in EMULATED:
         setattr(module, name, _counted(module, getattr(module, name)))

@@ -6,6 +6,7 @@ from engine.ops import (  # noqa: F401  (import registers)
     geglu,
     layer_norm,
     linear_attention,
+    mlp,
     moe_experts,
     rms_norm,
     rope,

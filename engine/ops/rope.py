@@ -13,6 +13,8 @@ half + upcast      ``apply_rotary_pos_emb_vision(q, k, cos,     the same in fp32
                    sin)``: Qwen2-VL / 2.5-VL / 3-VL vision       cast back (declare ``unsqueeze_dim: -2``)
 interleaved        GLM, GLM-4 ``apply_rotary_pos_emb``           pairs (x0, x1), ... rotated in place by
                                                                  ``cos[..., :d/2].repeat_interleave(2)``
+interleaved_repeated Cohere, Cohere 2 ``apply_rotary_pos_emb``  pairs rotated in place by cos/sin already
+                   (in fp32: declare ``upcast``)               repeated per pair (``repeat_interleave``)
 interleaved_to_half DeepSeek-V3 ``apply_rotary_pos_emb_         interleaved pairs in, ``[evens | odds]`` out
                    interleave(q, k, cos, sin, position_ids,
                    unsqueeze_dim)``
@@ -42,6 +44,7 @@ from engine.schema import RopeLayout, RopePatch
 __all__ = [
     "RopeOp",
     "complex_rope_reference",
+    "interleaved_repeated_rope_reference",
     "interleaved_rope_reference",
     "interleaved_to_half_rope_reference",
     "rope_reference",
@@ -118,6 +121,26 @@ def upcast_interleaved_rope_reference(
     return turn(q), turn(k)
 
 
+def interleaved_repeated_rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``interleaved_repeated`` layout: pairs rotated in place by cos/sin that arrive repeated per
+    pair (``repeat_interleave(freqs, 2)``: Cohere, Cohere 2), partial rotary included."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return _rotate(q, cos, sin, _rotate_pairs).to(q.dtype), _rotate(k, cos, sin, _rotate_pairs).to(k.dtype)
+
+
+def upcast_interleaved_repeated_rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``interleaved_repeated`` in fp32, cast back: Cohere's ``q.float() * cos + rotate_half(q.float()) * sin``."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    qf, kf = q.float(), k.float()
+    return _rotate(qf, cos, sin, _rotate_pairs).to(q.dtype), _rotate(kf, cos, sin, _rotate_pairs).to(k.dtype)
+
+
 def interleaved_to_half_rope_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -171,9 +194,9 @@ def build_reference(patch: RopePatch | None) -> Callable[..., tuple[torch.Tensor
     if patch.layout is RopeLayout.interleaved_to_half:
         return interleaved_to_half_rope_reference
     base = {RopeLayout.half: upcast_rope_reference if patch.upcast else rope_reference,
-            RopeLayout.interleaved: interleaved_rope_reference}[patch.layout]
-    if patch.upcast and patch.layout is not RopeLayout.half:
-        base = upcast_interleaved_rope_reference
+            RopeLayout.interleaved: upcast_interleaved_rope_reference if patch.upcast else interleaved_rope_reference,
+            RopeLayout.interleaved_repeated: upcast_interleaved_repeated_rope_reference if patch.upcast
+            else interleaved_repeated_rope_reference}[patch.layout]
 
     default = patch.unsqueeze_dim
     if base.__defaults__ == (default,):  # type: ignore[attr-defined]
@@ -190,6 +213,7 @@ def build_reference(patch: RopePatch | None) -> Callable[..., tuple[torch.Tensor
 _EXPECTED: dict[RopeLayout, tuple[str, ...]] = {
     RopeLayout.half: ("q", "k", "cos", "sin"),
     RopeLayout.interleaved: ("q", "k", "cos", "sin"),
+    RopeLayout.interleaved_repeated: ("q", "k", "cos", "sin"),
     RopeLayout.interleaved_to_half: ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"),
 }
 _COMPLEX_NAMES = (("xq", "xk", "freqs_cis"), ("query", "key", "freqs_ci"))

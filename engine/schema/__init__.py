@@ -52,7 +52,10 @@ __all__ = [
     "GateUpOrder",
     "GegluPatch",
     "GeluApproximate",
+    "LayerNormForm",
     "LayerNormPatch",
+    "MlpActivation",
+    "MlpPatch",
     "KernelSpec",
     "LinearAttentionPatch",
     "ModulePatch",
@@ -169,14 +172,56 @@ class GegluPatch(GatedMlpPatch):
     approximate: GeluApproximate = Field(default=GeluApproximate.tanh, description="tanh (gelu_pytorch_tanh) or none.")
 
 
+class LayerNormForm(StrEnum):
+    """How a LayerNorm computes its statistics: the expression its forward is written with."""
+
+    functional = "functional"  # F.layer_norm (nn.LayerNorm, Nemotron, OLMo 1)
+    centered = "centered"  # x - mean, mean of its square, rsqrt, weight in fp32, cast last (Cohere, Cohere 2)
+
+
 class LayerNormPatch(ModulePatch):
-    """LayerNorm over the last dimension, bias optional (vision towers: ``target: LayerNorm``; Nemotron: 1 + w)."""
+    """LayerNorm over the last dimension, weight and bias optional (vision towers: ``target: LayerNorm``;
+    Nemotron: 1 + w; OLMo 1: no parameters, eps a literal; Cohere: centered, per-head weight)."""
 
     op: Literal["layer_norm"]
     scale: Scale = Field(default=Scale.weight, description="weight or one_plus_weight (Nemotron's LayerNorm1P).")
     eps_attr: str = Field(default="eps", description="Attribute of the module holding eps.")
-    weight_attr: str = Field(default="weight", description="Attribute of the module holding the weight.")
+    eps: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="eps written as a literal in the forward (OLMo 1: 1e-5), when no attribute holds it; wins over eps_attr.",
+    )
+    weight_attr: str | None = Field(default="weight", description="Attribute holding the weight; null: no weight (OLMo 1).")
     bias_attr: str = Field(default="bias", description="Attribute holding the bias (None there: no bias).")
+    form: LayerNormForm = Field(default=LayerNormForm.functional, description="functional (F.layer_norm) or centered (Cohere).")
+    precision: Precision = Field(
+        default=Precision.native, description="fp32: the input upcast first and the result cast back (OLMo 1).",
+    )
+
+
+class MlpActivation(StrEnum):
+    """The activation of an MLP without a gate, as transformers' ``ACT2FN`` computes it (checked bit for bit)."""
+
+    gelu = "gelu"  # exact erf GELU (GPT-NeoX / Pythia, Falcon, BERT)
+    gelu_tanh = "gelu_tanh"  # F.gelu(approximate="tanh"): gelu_pytorch_tanh (StarCoder2, SigLIP)
+    gelu_new = "gelu_new"  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) written out (Phi-1/2, GPT-2)
+    quick_gelu = "quick_gelu"  # x * sigmoid(1.702 x) (CLIP)
+    relu = "relu"
+    relu2 = "relu2"  # square(relu(x)) (Nemotron, Nemotron-H)
+    silu = "silu"
+
+
+class MlpPatch(ModulePatch):
+    """An MLP without a gate: ``down(act(up(x)))``, biases in the projections (GPT-NeoX, Phi-1/2, StarCoder2, Falcon)."""
+
+    op: Literal["mlp"]
+    activation: MlpActivation = Field(description="The activation, checked bit for bit against the module's own.")
+    up_proj: str = Field(default="up_proj", description="The first projection (fc1, c_fc, dense_h_to_4h).")
+    down_proj: str = Field(default="down_proj", description="The second projection (fc2, c_proj, dense_4h_to_h).")
+    act_attr: str = Field(default="act_fn", description="Attribute holding the activation module.")
+    dropout_attr: str | None = Field(
+        default=None,
+        description="Float attribute: dropout probability the forward applies to its output in training (StarCoder2).",
+    )
 
 
 class RopeLayout(StrEnum):
@@ -185,6 +230,7 @@ class RopeLayout(StrEnum):
     half = "half"  # x * cos + rotate_half(x) * sin: feature i pairs with i + d/2 (llama, qwen, Qwen-VL mrope)
     interleaved = "interleaved"  # pairs (x0, x1), (x2, x3), ... rotated in place (GLM, GLM-4)
     interleaved_to_half = "interleaved_to_half"  # interleaved pairs in, [evens | odds] out (DeepSeek V3)
+    interleaved_repeated = "interleaved_repeated"  # pairs rotated in place by cos/sin already repeated per pair (Cohere)
     complex = "complex"  # pairs as complex numbers times freqs_cis: f(xq, xk, freqs_cis) (Llama 4)
 
 
@@ -193,7 +239,9 @@ class RopePatch(FunctionPatch):
 
     op: Literal["rope"]
     function: str = "apply_rotary_pos_emb"
-    layout: RopeLayout = Field(default=RopeLayout.half, description="half, interleaved, interleaved_to_half, complex.")
+    layout: RopeLayout = Field(
+        default=RopeLayout.half, description="half, interleaved, interleaved_to_half, complex, interleaved_repeated."
+    )
     upcast: bool = Field(default=False, description="Rotate in fp32 and cast back (the Qwen-VL vision functions).")
     unsqueeze_dim: int = Field(default=1, description="Default head dimension of cos/sin (-2: the vision functions).")
 
@@ -307,6 +355,7 @@ Patch = Annotated[
     | SwigluPatch
     | GegluPatch
     | LayerNormPatch
+    | MlpPatch
     | RopePatch
     | LinearAttentionPatch
     | FusedLinearCrossEntropyPatch
