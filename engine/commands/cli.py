@@ -49,9 +49,27 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             results.append(entry)
             if not args.quiet and not args.json:
                 print(f"{used}: ok ({ps.name}, {len(ps.patches)} patches)")
+    example = next((r["file"] for r in results if r["ok"]), None)
     if args.json:
-        print(json.dumps({"ok": not failed, "files": results}, indent=2))
+        print(json.dumps({"ok": not failed, "checked": "schema", "not_checked": dict(_NOT_VALIDATED),
+                          "files": results}, indent=2))
+    elif example is not None and not args.quiet:  # "ok" is the schema's word: say what it does not cover
+        print(validated_note(example), file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+#: What ``validate`` does not check, and the command that does.
+_NOT_VALIDATED = {"targets": "plan", "numbers": "verify"}
+
+
+def validated_note(file: str) -> str:
+    """What an ``ok`` from ``validate`` means, with the commands that check the rest (runnable as printed)."""
+    import shlex
+
+    quoted = shlex.quote(file)
+    return (f"validate checked the schema only (every key and value, extends merged). Not checked: whether the "
+            f"classes and functions it targets exist in a model and fit (patch-engine plan {quoted}), nor whether "
+            f"the patched model computes the original's numbers (patch-engine verify {quoted})")
 
 
 def _given(given: str, used: str) -> dict[str, str]:
@@ -221,7 +239,14 @@ def _cmd_scaffold(args: argparse.Namespace) -> int:
 def _cmd_coverage(args: argparse.Namespace) -> int:
     from engine.commands.coverage import coverage_rows, render_markdown
 
-    rows = coverage_rows(args.model_types or None, verify=not args.no_verify)
+    from engine.commands.coverage_measured import load_measured, measure_types
+
+    if args.measure:  # the measured column's sweep: resumes where its data file stops (see coverage_measured)
+        from engine.commands.coverage import types_to_measure
+
+        measure_types(types_to_measure(args.model_types or None), args.measured, again=args.remeasure,
+                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = coverage_rows(args.model_types or None, verify=not args.no_verify, measured=load_measured(args.measured))
     text = render_markdown(rows)
     if args.out:
         from pathlib import Path
@@ -317,9 +342,15 @@ def _parser() -> argparse.ArgumentParser:
     add_audit(sub)
 
     p = sub.add_parser("coverage", help="per model_type: bundled patchset, verifies, share of parameters patched")
-    p.add_argument("model_types", nargs="*", help="only these types (default: every type transformers knows)")
+    p.add_argument("model_types", nargs="*",
+                   help="only these types (default: every causal-LM and image-text-to-text type, and every bundled one)")
     p.add_argument("--out", help="write the Markdown table here (docs/coverage.md); default: stdout")
     p.add_argument("--no-verify", action="store_true", help="skip running verify (fast)")
+    p.add_argument("--measure", action="store_true",
+                   help="scaffold and verify every generative type without a bundled patchset not yet in --measured")
+    p.add_argument("--remeasure", action="store_true", help="with --measure: measure those already in --measured too")
+    p.add_argument("--measured", default="benchmarks/results/coverage_measured.json",
+                   help="the measured column's data (read, and written by --measure)")
     _release_argument(p)
     p.set_defaults(func=_cmd_coverage)
 

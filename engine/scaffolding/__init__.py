@@ -83,10 +83,11 @@ def scaffold(
         >>> print(engine.scaffold(Path("my-checkpoint"), trust_remote_code=True))  # doctest: +SKIP
     """
     from engine.scaffolding.source import is_folder, model_from_folder, transformers_code
-    from engine.tiny import build_tiny_model
     from engine.tiny.config import derive_tiny_config
 
     tiny: dict[str, Any] | None
+    tiny_type: str | None = None  # the tiny model's own type, where another type's model stands in
+    note = ""
     if is_folder(model_or_type):
         folder = os.fspath(model_or_type)  # type: ignore[arg-type]
         model, tiny = model_from_folder(
@@ -96,16 +97,11 @@ def scaffold(
         flags = (" --trust-remote-code" if trust_remote_code else "") + (" --weights" if weights else "")
         source = f"patch-engine scaffold --model {folder}{flags}"
     elif isinstance(model_or_type, str):
+        from engine.tiny.subject import tiny_subject
+
         model_type = model_or_type
-        tiny = {**derive_tiny_config(model_type), **(config or {})}
-        _require_causal_lm(model_type)
-        try:
-            model = build_tiny_model(model_type, tiny, seed=seed)
-        except Exception as exc:  # noqa: BLE001  (any config or build failure: say which keys to pass)
-            raise ValueError(
-                f"could not build a tiny {model_type} model from the derived config {tiny}: {exc}. "
-                "Pass the missing keys: engine.scaffold(model_type, config={...})"
-            ) from exc
+        subject = tiny_subject(model_type, config, seed=seed)
+        model, tiny, tiny_type, note = subject.model, subject.tiny_config, subject.tiny_type, subject.note
         source = f"patch-engine scaffold {model_type}"
     else:
         from engine.runtime.wrappers import unwrap
@@ -125,7 +121,7 @@ def scaffold(
     foreign = {f.name: f.origin for f in findings if f.origin and not f.origin.startswith(("transformers.", "torch."))}
     return Scaffold(
         model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings,
-        source=source, foreign=foreign,
+        source=source, foreign=foreign, tiny_type=tiny_type if tiny_type != model_type else None, note=note,
     )
 
 
@@ -143,18 +139,6 @@ def _explain_rope_modules(findings: list[Finding]) -> None:
             f.note = ("no op replaces the module that computes the rotary tables, and no module-level function "
                       "the forwards call applies them (rope written inline in a forward cannot be patched: "
                       "move it into a function such as apply_rotary_pos_emb)")
-
-
-def _require_causal_lm(model_type: str) -> None:
-    """Refuse a type ``AutoModelForCausalLM`` cannot build, saying what to do instead."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"model type {model_type!r} has no causal-LM class in transformers (AutoModelForCausalLM does not "
-            "map it: a text config of a composite model, an encoder, ...); build a small model of it yourself "
-            "and pass it: engine.scaffold(model)"
-        )
 
 
 # ---------------------------------------------------------------------------------------- modules
@@ -305,6 +289,11 @@ def _function_findings(captured: dict[tuple[str, str], Any]) -> Iterator[Finding
                 finding.measurements.append(_measure_function(op, patch, called))
         if finding.measurements and not called:
             finding.note = "never called in the probe forward or a decode step"
+        elif finding.measurements and len(called) < len(sites):
+            # a function patch routes the name in every modeling module that defines it: one never run is unmeasured
+            idle = sorted({str(getattr(torch_body(f), "__module__", "")) for f, inputs in sites if inputs is None})
+            finding.note = (f"defined in {len(sites)} modeling modules, and the probe forward never calls the one in "
+                            f"{', '.join(idle)} (a vision tower's?), so a patch of the name there is unmeasured")
         if finding.measurements or FUNCTION_KINDS.search(name):
             yield finding
 

@@ -50,6 +50,6 @@ class Finding:
 
     @property
     def chosen(self) -> Measurement | None:
-        """The one exact declaration; ``None`` when none is exact or several tie."""
+        """The one exact declaration; ``None`` when none is exact, several tie, or a note says why none may be."""
         exact = self.exact
-        return exact[0] if len(exact) == 1 else None
+        return exact[0] if len(exact) == 1 and not self.note else None

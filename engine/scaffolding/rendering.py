@@ -156,6 +156,11 @@ class Scaffold:
     source: str = ""
     #: Where the classes and functions not from transformers came from (``{name: module}``).
     foreign: dict[str, str] = field(default_factory=dict)
+    #: The tiny model's own type where another stands in for ``model_type`` (a composite's language
+    #: model: ``gemma3n_text`` for ``gemma3n``), else ``None``.
+    tiny_type: str | None = None
+    #: Why that model stands in (written into the header).
+    note: str = ""
 
     @property
     def patches(self) -> list[Any]:
@@ -180,16 +185,18 @@ def render(result: Scaffold) -> str:
         "# every declaration below is bit-exact against the original forward on a tiny perturbed",
         "# model, in fp32 and bf16. Read it before bundling it.",
         *_foreign_lines(result),
+        *([f"# {result.model_type}: {result.note}."] if result.note else []),
         "# yaml-language-server: $schema=../schemas/patchset.schema.json",
         f"name: {_name(result.model_type)}",
         f"description: Scaffolded from a tiny {result.model_class}; see the comments for what was measured.",
-        f"model_types: [{_scalar(result.model_type)}]",
+        f"model_types: [{', '.join(_scalar(t) for t in dict.fromkeys([result.model_type, result.tiny_type or result.model_type]))}]",
         f'requires: {{transformers: ">={major}.{minor},<{major}.{minor + 1}"}}',
         "on_unsupported: error",
     ]
     if result.tiny_config is not None:
         tiny = _scalar(result.tiny_config) if result.tiny_config else "{}"
-        lines += ["tiny_model:", f"  config: {tiny}"]
+        lines += ["tiny_model:", *([f"  model_type: {_scalar(result.tiny_type)}"] if result.tiny_type else []),
+                  f"  config: {tiny}"]
     chosen = [f for f in result.findings if f.chosen is not None]
     lines.append("patches:" if chosen else "patches: []")
     for f in chosen:

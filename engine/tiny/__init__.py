@@ -137,8 +137,12 @@ def build_tiny_model(
     perturb: bool = True,
     attn_implementation: str | None = "eager",
     random_buffers: Mapping[str, int | str] | None = None,
+    check_size: bool | None = None,
 ) -> nn.Module:
     """A causal LM of ``model_type`` with the tiny base sizes plus ``config`` overrides.
+
+    Without ``config``, the type's derived tiny config (:func:`engine.tiny.config.derive_tiny_config`):
+    every causal-LM and image-text-to-text type of transformers builds so (benchmarks/tiny_every_type.py).
 
     A type with no causal LM class in transformers (a text sub-model such as ``qwen2_vl_text``)
     gets its base model (``Qwen2VLTextModel``: hidden states out, no LM head).
@@ -148,9 +152,17 @@ def build_tiny_model(
     ``vision_config`` dicts.
 
     ``random_buffers``: a patchset's ``tiny_model.random_buffers`` (:func:`fill_random_buffers`).
+    ``check_size``: count the parameters on the meta device first and refuse over
+    :data:`MAX_TINY_PARAMETERS` (default: for a derived config, where the size rules may miss a key).
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    derived = config is None
+    check_size = derived if check_size is None else check_size
+    if derived:  # the type's own tiny config: its defaults shrunk by rule, plus engine/tiny/types.yaml
+        from engine.tiny.config import derive_tiny_config
+
+        config = derive_tiny_config(model_type)
     with own_construction("cpu"):  # not on the meta device of a model being built around it
         torch.manual_seed(seed)
         composite = is_composite(CONFIG_MAPPING[model_type])
@@ -163,12 +175,31 @@ def build_tiny_model(
                 sub = getattr(cfg, name, None)
                 if sub is not None and hasattr(sub, "_attn_implementation"):
                     sub._attn_implementation = attn_implementation
+        if check_size:  # rules met a config they do not know: refuse before allocating (deepseek_ocr2's 22 GB)
+            _refuse_large(model_type, model_cls, cfg)
         model = model_cls._from_config(cfg) if hasattr(model_cls, "_from_config") else model_cls.from_config(cfg)
         if perturb:
             perturb_(model, seed=seed)
         if random_buffers:
             fill_random_buffers(model, random_buffers, seed=seed)
         return model.to(dtype)
+
+
+#: A tiny model of a derived config larger than this means the size rules missed the config's own size keys.
+MAX_TINY_PARAMETERS = 50_000_000
+
+
+def _refuse_large(model_type: str, model_cls: Any, cfg: Any) -> None:
+    """Count the model's parameters on the meta device; refuse one the size rules did not shrink."""
+    with torch.device("meta"):
+        shape = model_cls._from_config(cfg) if hasattr(model_cls, "_from_config") else model_cls.from_config(cfg)
+    count = sum(p.numel() for p in shape.parameters())
+    if count > MAX_TINY_PARAMETERS:
+        raise InvalidArgument(
+            f"the tiny {model_type} model built from its derived config would have {count / 1e6:.0f}M parameters: "
+            "the size rules (engine/tiny/config.py) do not know some of its size keys. Give them in "
+            f"engine/tiny/types.yaml, or pass a config: build_tiny_model({model_type!r}, {{...}})"
+        )
 
 
 def fill_random_buffers(model: nn.Module, bounds: Mapping[str, int | str], *, seed: int = 0) -> None:

@@ -205,7 +205,34 @@ def tensors_of(value: Any) -> list[Any]:
     return [value]
 
 
-def judge(got: Any, original: Any, truth: Any, bound: float = 1.0) -> tuple[bool, str]:
+class Judged(tuple):
+    """``(passed, note)`` as the judges always returned, and :attr:`limit`: the most ``|got - original|`` it allowed.
+
+    Why a tuple: every caller unpacks ``passed, note = judge(...)``; the report shows the limit
+    beside the difference (``1.6e-02 / 4.9e-02``), where a relative error of near-zero elements
+    (``rel 3.6e+01``) said nothing about why a check passed. ``None``: bit-equal, or no single bound.
+    """
+
+    limit: float | None
+
+    def __new__(cls, passed: bool, note: str, limit: float | None = None) -> Judged:
+        self = super().__new__(cls, (passed, note))
+        self.limit = limit
+        return self
+
+
+def _unlike(got: Any, original: Any) -> str:
+    """What differs between a result and the original's beyond numbers: its kind, shape or dtype."""
+    if not isinstance(got, torch.Tensor):
+        return f"the patched forward returns {type(got).__name__} where the original returns a tensor"
+    if got.shape != original.shape:
+        return f"the patched result has shape {tuple(got.shape)}, the original's {tuple(original.shape)}"
+    names = {t: DTYPE_NAMES.get(t, str(t)) for t in (got.dtype, original.dtype)}
+    return (f"the patched result is {names[got.dtype]} where the original's is {names[original.dtype]} (a result "
+            "of another dtype fails whatever its numbers; the errors beside it are measured after the cast)")
+
+
+def judge(got: Any, original: Any, truth: Any, bound: float = 1.0) -> Judged:
     """Whether ``got`` is within the original's own rounding error of it; ``(passed, note)``.
 
     ``truth`` is the original evaluated in fp64 on the same inputs. Each tensor passes where
@@ -214,42 +241,42 @@ def judge(got: Any, original: Any, truth: Any, bound: float = 1.0) -> tuple[bool
     :mod:`engine.verification.low_precision`); bit-equal tensors pass without looking at the truth.
     """
     leaves = list(zip(tensors_of(got), tensors_of(original), tensors_of(truth), strict=False))
-    worst: tuple[float, float, float, float] | None = None  # ratio, diff, noise, far
+    worst: tuple[float, float, float, float, float] | None = None  # ratio, diff, noise, far, limit
     for g, o, t in leaves:
         if not isinstance(o, torch.Tensor):
             if g != o:
-                return False, "outputs differ in a non-tensor value"
+                return Judged(False, "outputs differ in a non-tensor value")
             continue
         if not isinstance(g, torch.Tensor) or g.shape != o.shape or g.dtype != o.dtype:
-            return False, "shape or dtype differs from the original's"
+            return Judged(False, _unlike(g, o))
         if torch.equal(g, o):
             continue
         diff = max_abs_diff(g, o)
-        ratio, noise = _ratio(diff, o, t)
+        ratio, noise, limit = _ratio(diff, o, t)
         if worst is None or ratio > worst[0]:
-            worst = (ratio, diff, noise, max_abs_diff(g, t))
+            worst = (ratio, diff, noise, max_abs_diff(g, t), limit)
     if worst is None:
-        return True, ""
-    ratio, diff, noise, far = worst
-    return ratio <= bound, noise_note(diff, noise, far)
+        return Judged(True, "")
+    ratio, diff, noise, far, limit = worst
+    return Judged(ratio <= bound, noise_note(diff, noise, far), bound * limit)
 
 
-def judge_difference(diff: float, original: torch.Tensor, truth: torch.Tensor, bound: float = 1.0) -> tuple[bool, str]:
+def judge_difference(diff: float, original: torch.Tensor, truth: torch.Tensor, bound: float = 1.0) -> Judged:
     """:func:`judge` of one tensor whose difference ``diff = max|got - original|`` was taken before ``got`` was dropped.
 
     Why: a ``[tokens, vocab]`` result held only to be judged costs its size at the truth's peak;
     the rule needs only that difference, the original and the truth (the note then cannot say
     how far the patched result is from the truth).
     """
-    ratio, noise = _ratio(diff, original, truth)
-    return ratio <= bound, noise_note(diff, noise)
+    ratio, noise, limit = _ratio(diff, original, truth)
+    return Judged(ratio <= bound, noise_note(diff, noise), bound * limit)
 
 
-def _ratio(diff: float, original: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
-    """``(diff / the limit the rule allows, the original's own error)``: the rule :func:`judge` applies."""
+def _ratio(diff: float, original: torch.Tensor, truth: torch.Tensor) -> tuple[float, float, float]:
+    """``(diff / the limit the rule allows, the original's own error, the limit)``: the rule :func:`judge` applies."""
     noise = max_abs_diff(original, truth)
     limit = allowed(noise, max_abs(truth), original.dtype)
-    return (diff / limit if limit else float("inf")), noise
+    return (diff / limit if limit else float("inf")), noise, limit
 
 
 def noise_note(diff: float, noise: float, far: float | None = None) -> str:

@@ -26,7 +26,10 @@ class Check:
     :func:`engine.verification.compare.judge`), ``called`` (the target ran at all), or, for
     ``<model>``, ``logits``, ``loss`` and ``grads`` (judged the same way). ``max_abs`` and
     ``max_rel`` are always the difference from the original; ``note`` says how it compares
-    with the original's own error where they are not bit-equal.
+    with the original's own error where they are not bit-equal. ``limit``: the most ``max_abs``
+    its judge allowed (``None``: bit-equal, or judged otherwise, see the note); ``kernel``: the
+    kernel whose code ran (``torch`` where a ``compiled`` kernel runs the reference); ``counted``:
+    ``False`` for a failure shown but not counted (a vendor kernel in a dtype this model does not run).
     """
 
     path: str
@@ -39,6 +42,8 @@ class Check:
     passed: bool
     note: str = ""
     kernel: str = "-"
+    limit: float | None = None
+    counted: bool = True
 
 
 def _num(x: float) -> str:
@@ -47,6 +52,15 @@ def _num(x: float) -> str:
     if x == float("inf"):
         return "inf"
     return f"{x:.1e}"
+
+
+def _cell(errors: tuple[float, float] | None, limit: float | None) -> str:
+    """``0`` (bit-equal), ``1.6e-02 / 4.9e-02`` (the difference and its judge's bound), ``- `` (not checked)."""
+    if errors is None:
+        return "-"
+    if errors[0] == 0:
+        return "0"
+    return f"{_num(errors[0])} / {_num(limit) if limit is not None else '-'}"
 
 
 def _short(path: str) -> str:
@@ -75,20 +89,44 @@ class VerifyReport:
         return [c for c in self.checks if not c.passed]
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per patched module or function (worst error per dtype), then one per model check."""
+        """One row per patched module or function (worst error per dtype), then one per model check.
+
+        A row's ``kernel`` is what ran: the planned kernel, with the dtypes where another ran
+        (``compiled (fp32: torch)``); ``allowed`` per dtype is the judge's bound beside the largest
+        difference (absent where bit-equal or judged otherwise); ``not_counted`` lists the dtypes of
+        failures shown but not counted.
+        """
         rows: dict[str, dict[str, Any]] = {}
+        ran: dict[str, dict[str, str]] = {}
         for c in self.checks:
             key = c.path if c.path != MODEL else f"{MODEL} {c.what.split(' ')[0]}"
             row = rows.setdefault(key, {"module": key, "class": c.cls, "op": c.op, "kernel": c.kernel,
-                                        "errors": {}, "passed": True, "notes": []})
-            if c.kernel != "-":
+                                        "errors": {}, "allowed": {}, "passed": True, "notes": [], "not_counted": []})
+            if c.what == "kernel" and c.kernel != "-":
+                ran.setdefault(key, {})[c.dtype] = c.kernel
+            elif c.kernel != "-" and row["kernel"] == "-":
                 row["kernel"] = c.kernel
             if c.dtype in self.dtypes or c.dtype == self.model_dtype:
                 worst = row["errors"].get(c.dtype, (0.0, 0.0))
+                if c.max_abs > worst[0] or c.dtype not in row["errors"]:
+                    if c.limit is not None and c.max_abs > 0:
+                        row["allowed"][c.dtype] = c.limit
+                    else:
+                        row["allowed"].pop(c.dtype, None)
                 row["errors"][c.dtype] = (max(worst[0], c.max_abs), max(worst[1], c.max_rel))
             row["passed"] = row["passed"] and c.passed
-            if c.note and c.note not in row["notes"] and (not c.passed or c.path == MODEL):
+            if not c.counted and c.dtype not in row["not_counted"]:
+                row["not_counted"].append(c.dtype)
+            if c.note and c.note not in row["notes"] and (not c.passed or not c.counted or c.path == MODEL):
                 row["notes"].append(c.note)
+        for key, kernels in ran.items():
+            row = rows[key]
+            planned = row["kernel"]
+            others = {dt: k for dt, k in kernels.items() if k != planned}
+            if others and len(others) == len(kernels) and len(set(others.values())) == 1:
+                row["kernel"] = f"{planned} (runs {next(iter(others.values()))})"
+            elif others:
+                row["kernel"] = f"{planned} ({', '.join(f'{dt}: {k}' for dt, k in others.items())})"
         return list(rows.values())
 
     def table(self, *, detail: bool = False) -> str:
@@ -102,16 +140,21 @@ class VerifyReport:
         dtypes = list(dict.fromkeys((*self.dtypes, self.model_dtype)))
         body = []
         for row in self.rows():
-            errs = [row["errors"].get(dt) for dt in dtypes]
-            cells = [f"{_num(e[0])} / {_num(e[1])}" if e else "-" for e in errs]
-            body.append((_short(row["module"]), row["class"], row["op"], row["kernel"], *cells,
-                         "ok" if row["passed"] else "FAIL", "; ".join(row["notes"])))
+            cells = [_cell(row["errors"].get(dt), row["allowed"].get(dt)) for dt in dtypes]
+            result = "ok" if row["passed"] else "FAIL"
+            if row["passed"] and row["not_counted"]:
+                result = f"ok ({'/'.join(row['not_counted'])} not counted)"
+            body.append((_short(row["module"]), row["class"], row["op"], row["kernel"], *cells, result,
+                         "; ".join(row["notes"])))
         return format_table(
-            ("module", "class", "op", "kernel", *(f"{dt} abs / rel" for dt in dtypes), "result", "note"), body
+            ("module", "class", "op", "kernel", *(f"{dt} diff / allowed" for dt in dtypes), "result", "note"), body
         )
 
     def legend(self) -> str:
         return (
+            "diff / allowed: the largest |patched - original| and the most its judge allows there (0: bit-equal;\n"
+            "        '/ -': judged otherwise, see the note); kernel: what ran, e.g. compiled (runs torch) where the\n"
+            "        compiled kernel does not compile in that dtype (engine/_data/compiled_rows.yaml)\n"
             "checks: declaration = the op's reference with the declared settings vs the original forward,\n"
             "        bit-exact in every dtype; kernel = the chosen kernel vs the original;\n"
             f"        {MODEL} = logits, loss and every parameter gradient vs the unpatched model ({self.model_dtype});\n"
@@ -129,8 +172,10 @@ class VerifyReport:
             "sampled": self.sampled,
             "seconds": self.seconds,
             "modules": [
-                {**{k: v for k, v in row.items() if k != "errors"},
-                 "errors": {dt: {"max_abs": e[0], "max_rel": e[1]} for dt, e in row["errors"].items()}}
+                {**{k: v for k, v in row.items() if k not in ("errors", "allowed")},
+                 "errors": {dt: {"max_abs": e[0], "max_rel": e[1],
+                                 **({"allowed": row["allowed"][dt]} if dt in row["allowed"] else {})}
+                            for dt, e in row["errors"].items()}}
                 for row in self.rows()
             ],
             "checks": [vars(c) for c in self.checks],

@@ -80,8 +80,9 @@ def value_check(cls: str, what: str, dtype: str, got: torch.Tensor | None, want:
         return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
     # a low-precision model's logits and loss: two tensors judged as the gradients' population is
     bound = tensor_limit(2) if want.dtype in LOW_PRECISION else 1.0
-    passed, note = judge(got, want, truth, bound) if got is not None else judge_difference(ma, want, truth, bound)
-    return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note)
+    verdict = judge(got, want, truth, bound) if got is not None else judge_difference(ma, want, truth, bound)
+    passed, note = verdict
+    return Check(MODEL, cls, "-", what, dtype, ma, mr, passed, note, limit=getattr(verdict, "limit", None))
 
 
 #: Gradients of at most this many elements judge their rounding error by the model's typical level too.
@@ -145,4 +146,6 @@ def grads_check(cls: str, dtype: str, grads: Grads, params: dict[str, nn.Paramet
     else:
         note = (f"{len(rows)} parameter gradients; largest difference: {largest[1]}; closest to the limit: "
                 f"{worst[1]}: {noise_note(worst[2], worst[4])}")
-    return Check(MODEL, cls, "-", "grads", dtype, largest[2], max(r[3] for r in rows), passed, note)
+    # the bound beside the largest difference: its own parameter's, where every parameter met its own
+    limit = largest[2] / largest[0] if not failing and 0 < largest[0] < float("inf") else None
+    return Check(MODEL, cls, "-", "grads", dtype, largest[2], max(r[3] for r in rows), passed, note, limit=limit)
