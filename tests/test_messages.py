@@ -11,8 +11,10 @@ where it is about numbers.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,8 +52,8 @@ def test_the_commands_validate_suggests_run_as_printed(tmp_path: Path, capsys: p
     err = capsys.readouterr().err
     command = err.split("(patch-engine plan ", 1)[1].split(")", 1)[0]
     assert shlex.split(command) == [str(mine)]
-    done = subprocess.run(["bash", "-c", f"cd / && {ROOT}/.venv/bin/python -m engine plan {command} --device cpu"],
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(["bash", "-c", f"cd / && {shlex.quote(sys.executable)} -m engine plan {command} --device cpu"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Qwen3RMSNorm" in done.stdout
 
