@@ -201,7 +201,7 @@ def test_bundled_patchsets_refuse_a_remote_code_model(remote) -> None:
     model = load_checkpoint(folder)
     with pytest.raises(ModelTypeMismatch, match="'toyllama'") as info:
         engine.apply(model, "llama")
-    assert "patch-engine scaffold --model FOLDER --trust-remote-code" in str(info.value)
+    assert f"patch-engine scaffold --model {folder} --trust-remote-code" in str(info.value)  # runnable as printed
     # Its own code under transformers' names and type: the bundled declaration would be wrong
     # ((1 + w) norm named LlamaRMSNorm); it is refused before anything changes. (Written beside
     # the first checkpoint: one modules cache per test module.)

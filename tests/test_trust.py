@@ -99,6 +99,7 @@ def test_signature_drift_names_what_changed_and_where(
                            f"expected {new.strip(chr(34))}, found {found} (")
     assert changes in text
     assert "in transformers 5." in text and "update `signature`" in text
+    assert f"(patch-engine verify {path})" in text  # a command that works as printed, from any folder
     assert_same(before, snapshot(qwen3))
 
 

@@ -153,7 +153,8 @@ def _check_model_type(model: nn.Module, patchset: Patchset) -> str:
         remote = type(model).__module__.startswith(REMOTE_CODE)
         fix = (
             f"This model runs its own code ({type(model).__module__}), not transformers': scaffold a patchset for "
-            "it from its checkpoint folder (patch-engine scaffold --model FOLDER --trust-remote-code), which "
+            f"it from its checkpoint folder (patch-engine scaffold --model {_checkpoint_folder(model)} "
+            "--trust-remote-code), which "
             f"carries model_types [{model_type}]."
             if remote else
             "Use the patchset of this model's family, or add the type to model_types once verified."
@@ -242,7 +243,24 @@ _ERROR_KEYS: dict[type, str] = {
 }
 
 
-def _check_drift(patch: Any, what: str, function: Callable[..., Any]) -> None:
+def _verify_hint(patchset: Patchset) -> str:
+    """A command that verifies ``patchset``, runnable as printed: its file as a quoted path (works from any folder)."""
+    import shlex
+
+    files = list(getattr(patchset, "files", None) or [])
+    return f"patch-engine verify {shlex.quote(files[0])}" if files else "engine.verify(model, patchset)"
+
+
+def _checkpoint_folder(model: nn.Module) -> str:
+    """The model's checkpoint folder for a suggested command, quoted; ``FOLDER`` where it is not a local folder."""
+    import os
+    import shlex
+
+    name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    return shlex.quote(os.path.abspath(name)) if name and os.path.isdir(name) else "FOLDER"
+
+
+def _check_drift(patch: Any, what: str, function: Callable[..., Any], hint: str = "patch-engine verify FILE") -> None:
     """Refuse when the patch pins a signature and the installed ``function`` has another."""
     if patch.signature is None:
         return
@@ -256,7 +274,7 @@ def _check_drift(patch: Any, what: str, function: Callable[..., Any]) -> None:
         error = SignatureMismatch(
             f"{what} has drifted from the pinned signature: expected {patch.signature}, found {found} "
             f"({'; '.join(changes)}) in transformers {transformers.__version__}. "
-            "Re-verify the patch against this version (patch-engine verify) and update `signature`, "
+            f"Re-verify the patch against this version ({hint}) and update `signature`, "
             "or install a transformers version that matches the pin."
         )
         error.patch_key = "signature"  # type: ignore[attr-defined]  (the line to point at)
@@ -310,7 +328,7 @@ def _plan_module_patch(
         )
     for cls in dict.fromkeys(type(module) for _, module in matches):
         _check_origin(patchset, index, f"class {cls.__name__}", cls.__module__)
-        _check_drift(patch, f"{cls.__name__}.forward", cls.forward)
+        _check_drift(patch, f"{cls.__name__}.forward", cls.forward, _verify_hint(patchset))
     for _, module in matches:
         op.check_target(module, patch)
     provider, reason = resolve_kernel(
@@ -392,7 +410,7 @@ def _plan_function_patch(
     for name, (namespace, callers) in sites.items():
         _check_origin(patchset, index, f"function {patch.function}", name)
         original = _original_function(namespace[patch.function])
-        _check_drift(patch, f"{name}.{patch.function}", original)
+        _check_drift(patch, f"{name}.{patch.function}", original, _verify_hint(patchset))
         op.check_function(original, patch)
         site = FunctionSite(namespace=name, function=patch.function, callers=tuple(callers))
         yield Decision(
