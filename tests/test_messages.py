@@ -124,3 +124,21 @@ def test_a_compiled_kernel_that_does_not_compile_in_a_dtype_is_shown_as_torch() 
     if rule.get((torch.bfloat16, False)) is not None:
         assert ran_kernel(decision, torch.bfloat16) == "compiled"
     assert ran_kernel(SimpleNamespace(kernel="liger", op="rms_norm"), torch.float32) == "liger"
+
+
+def test_a_wrong_declaration_shows_the_bit_exact_bound_it_failed() -> None:
+    """The flipped norm (``one_plus_weight``): its declaration check allows 0 (``scale: weight`` fits exactly)."""
+    import engine
+    from engine.loader import load_patchset
+    from engine.tiny import build_tiny_model
+
+    data = load_patchset("qwen3").model_dump(mode="json", exclude_none=True)
+    data["patches"][0]["scale"] = "one_plus_weight"
+    for patch in data["patches"]:
+        patch["kernel"] = "torch"
+    model = build_tiny_model("qwen3", dict(load_patchset("qwen3").tiny_model.config))
+    report = engine.verify(model, data, device="cpu", raise_on_failure=False)
+    row = next(line for line in report.table().splitlines() if line.startswith("model.norm "))
+    cells = row.split()
+    assert cells[4:7] == [cells[4], "/", "0"] and float(cells[4]) > 1 and "FAIL" in cells
+    assert "scale: weight fits" in row

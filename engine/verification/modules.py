@@ -22,7 +22,17 @@ from engine.ops.base import ModuleOp, get_op
 from engine.patching.patcher import original_forwards
 from engine.runtime import routing
 from engine.runtime.hub_functions import torch_body, torch_path
-from engine.verification.compare import DTYPE_NAMES, cast_floats, clone_tensors, compare, is_exact, judge
+from engine.verification.compare import (
+    DTYPE_NAMES,
+    TOLERANCES,
+    cast_floats,
+    clone_tensors,
+    compare,
+    is_exact,
+    judge,
+    max_abs,
+    tensors_of,
+)
 from engine.verification.random_state import same_draws
 from engine.verification.results import Check
 from engine.verification.truth import fp64_truth
@@ -106,8 +116,17 @@ def verify_module(
             kind = "" if _dtype_of(declared_out[dtype]) == _dtype_of(originals[dtype]) else (
                 f" (returns {_dtype_of(declared_out[dtype])} where the original returns {_dtype_of(originals[dtype])})")
             note = f"declared {declared_text} does not reproduce {d.cls}.forward{kind}{tried}; is this the right op?"
-        checks.append(Check(d.path, d.cls, d.op, "declaration", DTYPE_NAMES[dtype], ma, mr, passed, note, d.kernel))
+        limit = 0.0 if not declared_exact and fits else _tolerance(originals[dtype], dtype)  # bit-exact, or TOLERANCES
+        checks.append(Check(d.path, d.cls, d.op, "declaration", DTYPE_NAMES[dtype], ma, mr, passed, note, d.kernel,
+                            limit=limit))
     return checks + kernel_checks
+
+
+def _tolerance(expected: Any, dtype: torch.dtype) -> float:
+    """The most a declaration check allows where no alternative is exact: ``atol + rtol * max|original|`` (:data:`TOLERANCES`)."""
+    atol, rtol = TOLERANCES.get(dtype, (1e-5, 1e-5))
+    scales = [max_abs(t) for t in tensors_of(expected) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return atol + rtol * max(scales, default=0.0)
 
 
 def ran_kernel(d: Any, dtype: torch.dtype) -> str:
