@@ -15,14 +15,17 @@ from torch import nn
 
 from engine import verification, zeroconfig
 from engine.errors import InvalidArgument, VerificationFailed
-from engine.foundation.release_policy import resolve_policy
+from engine.foundation.release_policy import either, resolve_policy
 from engine.patching.patcher import apply as _patch
 from engine.patching.patcher import is_patched, revert
-from engine.planning.planner import Mode, plan
+from engine.planning.decisions import Plan
+from engine.planning.planner import Mode
+from engine.planning.planner import plan as _plan
 from engine.planning.report import Report
 from engine.releases import ReleaseGate
 from engine.runtime.wrappers import unwrap
 from engine.schema import Device, Patchset
+from engine.zeroconfig.tiny_copy import tiny_copy
 
 __all__ = ["apply", "is_patched", "plan", "revert", "verify"]
 
@@ -42,6 +45,9 @@ def verify(model: nn.Module, patchset: Any = None, *, interpret: bool = False, *
     Example:
         >>> engine.verify(tiny, "qwen3", device="cuda", interpret=True)   # doctest: +SKIP
     """
+    if "unverified" in kwargs or "unverified_release" in kwargs:  # one setting, two names (verify applies unchecked)
+        kwargs["unverified_release"] = _policy(kwargs.pop("unverified", None), kwargs.pop("unverified_release", None),
+                                               "verify")
     if not interpret:
         return verification.verify(model, patchset, **kwargs)
     from engine.kernels.triton_interpret import interpreting
@@ -66,6 +72,7 @@ def apply(
     mode: Mode | None = None,
     verify: bool | str | Mapping[str, Any] = False,
     fused_cross_entropy: Any = None,
+    unverified: str | None = None,
     unverified_release: str | None = None,
     strict: bool = False,
 ) -> Report:
@@ -98,17 +105,25 @@ def apply(
     A peft ``PeftModel`` is patched as the transformers model inside it (the state lives
     there), so wrapping before or after patching gives the same model.
 
-    ``unverified_release`` says what a transformers release outside the patchset's
-    ``requires`` gets (unset: ``$PATCH_ENGINE_UNVERIFIED_RELEASE``, else ``"verify"``):
-    ``"verify"`` checks the patchset on that release first, on the tiny model of its type with
-    the plan's device, dtype, mode and kernels (a cached verdict where there is one), then patches
-    with an :class:`UnverifiedReleaseWarning`, or raises :class:`ReleaseVerificationFailed` with
-    the verifier's finding; ``"refuse"`` raises :class:`VersionMismatch`; ``"trust"`` patches with
-    a warning. The report's ``release`` says which (:mod:`engine.releases`). With ``verify=...``
-    the verification of this model itself stands for the release's (no tiny model is built).
+    **Nothing unverified patches by default.** Content patches without a verification only where
+    it is known verified on the installed transformers: a bundled patchset's content as CI verified
+    it on this release (``engine/_data/verified_content.json``), or content with a passing verdict
+    of its own in the cache. Anything else (your own file or dict, inside its ``requires`` range or
+    not, an edited bundled file, a release CI did not run) gets what ``unverified`` says (unset:
+    ``$PATCH_ENGINE_UNVERIFIED``, else ``"verify"``; ``unverified_release``,
+    ``$PATCH_ENGINE_UNVERIFIED_RELEASE`` are its old names): ``"verify"`` verifies it first on a
+    tiny model of this model's type with the plan's device, dtype, mode and kernels, caches the
+    verdict (the next apply reads it), then patches, or raises :class:`SelfVerificationFailed`
+    (:class:`ReleaseVerificationFailed` outside the range) with the finding and the ``file:line``
+    of the patch that does not fit; a verification that could not run raises
+    :class:`VerificationNotRun` and caches nothing. ``"refuse"`` refuses it
+    (:class:`UnverifiedContent`; a release outside the range: :class:`VersionMismatch`);
+    ``"trust"`` patches with a warning. :func:`plan` says which way it goes; the report's
+    ``release`` keeps the verdict (:mod:`engine.releases`). With ``verify=...`` the verification
+    of this model itself stands for it (no tiny model is built).
     """
     options = _verify_options(verify)  # bad options fail before the model changes
-    policy = resolve_policy(unverified_release)
+    policy = _policy(unverified, unverified_release, "apply")
     choice = None
     if zeroconfig.is_zero_config(patchset):  # no patchset named: bundled for its type, else measured and verified
         choice = zeroconfig.choose(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy,
@@ -121,7 +136,8 @@ def apply(
     # with verify=..., this model's own verification vouches for an unverified release (no tiny model);
     # measured declarations were verified on the tiny copy of this model already (engine.zeroconfig.verdict)
     gate: Any = (choice.gate if choice is not None and choice.gate is not None
-                 else ReleaseGate(unwrap(model), verified_after=options is not None))
+                 else ReleaseGate(unwrap(model), verified_after=options is not None, policy=policy,
+                                  tiny_copy=tiny_copy))
     report = _patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy,
                     unverified_release=policy, before_install=gate)
     if gate.outcome is not None:
@@ -142,6 +158,41 @@ def apply(
         report.zero_config = choice.record
     return report
 
+
+
+def plan(
+    model: nn.Module,
+    patchset: Patchset | str | dict[str, Any],
+    *,
+    device: str | Device | torch.device | None = None,
+    mode: Mode | None = None,
+    fused_cross_entropy: Any = None,
+    unverified: str | None = None,
+    unverified_release: str | None = None,
+) -> Plan:
+    """What :func:`apply` would do (:func:`engine.planning.planner.plan`, see there), and how it is verified.
+
+    ``Plan.verification`` (a line of ``str(plan)``) says which way apply goes: no verification
+    needed (bundled content CI verified on this release), a cached verdict of its own, a
+    verification first, trusted or refused (``unverified``, as for :func:`apply`). Nothing is
+    changed, verified or written.
+    """
+    from dataclasses import replace
+
+    from engine.releases.known import verification_path
+    from engine.runtime.wrappers import unwrap
+
+    policy = _policy(unverified, unverified_release, "plan")
+    the_plan = _plan(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy,
+                     unverified_release=policy)
+    return replace(the_plan, verification=verification_path(unwrap(model), the_plan, policy))
+
+
+def _policy(unverified: str | None, unverified_release: str | None, call: str) -> Any:
+    """The one policy from the setting's name or its old name (each named as written when it is bad)."""
+    value = either(unverified, unverified_release, where=f"{call}(): ")
+    name = "unverified" if unverified is not None else "unverified_release"
+    return resolve_policy(value, setting=name)
 
 
 _VERIFY_OPTIONS = ("batch", "modules", "check_model", "progress")

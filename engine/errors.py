@@ -25,12 +25,16 @@ __all__ = [
     "PatchError",
     "PatchsetError",
     "ReleaseVerificationFailed",
+    "SelfVerificationFailed",
     "SignatureMismatch",
     "TargetNotFound",
     "TrainerConflict",
+    "UnverifiedContent",
+    "UnverifiedContentWarning",
     "UnverifiedReleaseWarning",
     "VerdictCacheWarning",
     "VerificationFailed",
+    "VerificationNotRun",
     "VersionMismatch",
     "ZeroConfigWarning",
 ]
@@ -167,12 +171,11 @@ class VerificationFailed(PatchError, AssertionError):
     report = None
 
 
-class ReleaseVerificationFailed(VersionMismatch, VerificationFailed):
-    """The installed transformers is outside a patchset's verified range, and verifying it there failed.
+class SelfVerificationFailed(VerificationFailed):
+    """A patchset not known verified on the installed release (a user's, an edited bundled one) failed its verification there.
 
-    Raised by :func:`engine.apply` before anything changes (``unverified_release="verify"``, the
-    default): a :class:`VersionMismatch` (the release is the cause) and a :class:`VerificationFailed`
-    (the verifier found it), so either ``except`` catches it.
+    Raised by :func:`engine.apply` before anything changes (``unverified="verify"``, the default),
+    with the verifier's finding and the ``file:line`` of each patch whose declaration does not fit.
 
     Attributes:
         finding: the verifier's failure message (modules, declarations, errors), also in the text.
@@ -183,7 +186,42 @@ class ReleaseVerificationFailed(VersionMismatch, VerificationFailed):
     verdict = None
 
 
-class UnverifiedReleaseWarning(UserWarning):
+class ReleaseVerificationFailed(VersionMismatch, SelfVerificationFailed):
+    """The installed transformers is outside a patchset's verified range, and verifying it there failed.
+
+    Raised by :func:`engine.apply` before anything changes (``unverified="verify"``, the
+    default): a :class:`VersionMismatch` (the release is the cause) and a :class:`VerificationFailed`
+    (the verifier found it), so either ``except`` catches it.
+
+    Attributes:
+        finding: the verifier's failure message (modules, declarations, errors), also in the text.
+        verdict: the :class:`engine.releases.ReleaseVerdict` (cached on disk, with its path).
+    """
+
+
+class VerificationNotRun(PatchError, RuntimeError):
+    """The verification a patchset needed before patching could not run (an exception, or no check): no verdict.
+
+    Nothing was patched and nothing was cached: it is neither a pass nor a failure. ``cause`` says
+    why; the message says how to proceed.
+    """
+
+    cause = ""
+
+
+class UnverifiedContent(PatchError, RuntimeError):
+    """``unverified="refuse"``: a patchset not known verified on the installed release was refused unverified."""
+
+
+class UnverifiedContentWarning(UserWarning):
+    """A patchset not known verified on the installed release was verified there first, or trusted unverified.
+
+    Filter it (and :class:`UnverifiedReleaseWarning`, its kind for a release outside the range) with
+    ``warnings.filterwarnings("ignore", category=engine.UnverifiedContentWarning)``.
+    """
+
+
+class UnverifiedReleaseWarning(UnverifiedContentWarning):
     """A patchset was applied on a transformers release outside its verified range: self-verified there, or trusted.
 
     Says the release, the verdict and where it is cached; filter it with

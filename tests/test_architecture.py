@@ -69,8 +69,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer("verification", ("engine.verification", "engine.verification.*"), False,
           "patched vs original numbers: probes, comparisons, report"),
     Layer("release verification", ("engine.releases", "engine.releases.*"), False,
-          "a transformers release outside a patchset's verified range: verified there on the tiny model before "
-          "patching, the verdict cached on disk (key, cache, self-verification, the gate apply runs)"),
+          "content not known verified on the installed release (a user's patchset, an edited bundled one, a release "
+          "outside its range): verified there on a tiny model of the user's type before patching, the verdict cached "
+          "on disk; the manifest of bundled content CI verified (key, cache, manifest, verdict, which way an apply "
+          "goes, self-verification, the gate apply runs)"),
     Layer("scaffolding", ("engine.scaffolding", "engine.scaffolding.*"), False,
           "the scaffold: every declaration measured on a tiny model, written as a patchset (its capture, its "
           "model from a checkpoint folder)"),

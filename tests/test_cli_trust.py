@@ -86,7 +86,9 @@ def test_validate_exit_codes_and_json(capsys, tmp_path: Path) -> None:
 def test_plan_table(capsys) -> None:
     code, out, _ = run(capsys, "plan", "qwen3", "--detail")
     assert code == 0
-    header = out.splitlines()[1].split()
+    lines = out.splitlines()
+    assert lines[1].startswith("verification: none needed, bundled content 'qwen3'")  # how apply would verify it
+    header = lines[2].split()
     assert header == ["module", "class", "op", "kernel", "decision", "why"]
 
 

@@ -247,7 +247,7 @@ def test_verify_names_the_activation_that_fits():
     wrong = {"name": "wrong", "model_types": ["falcon_h1"], "patches": [
         {"target": "FalconH1RMSNormGated", "op": "gated_rms_norm", "scale": "weight", "activation": "sigmoid",
          "order": "norm_then_gate", "cast": "fp32", "num_groups_attr": "n_groups"}]}
-    engine.apply(model, wrong, device="cpu")
+    engine.apply(model, wrong, device="cpu", unverified="trust")  # wrong on purpose: what verify says about it
     x, gate = _inputs(torch.float32)
     with pytest.raises(VerificationFailed) as err:
         engine.verify(model, batch={"x": x, "gate": gate}, check_model=False)

@@ -56,7 +56,9 @@ def test_apply_uses_the_local_copy_and_a_bare_name_the_bundled_one(tmp_path, mon
     batch = probe_batch(model)
     expected = _logits(model, batch)
 
-    report = engine.apply(model, "qwen3.yaml", device="cpu")
+    # the wrong copy is the marker of which file ran: applied unverified on purpose (by default it is refused,
+    # tests/test_trust_by_default.py)
+    report = engine.apply(model, "qwen3.yaml", device="cpu", unverified="trust")
     assert report.file == str(local) and report.files == (str(local),)
     assert str(local) in str(report) and report.to_dict()["file"] == str(local)
     local_logits = _logits(model, batch)
@@ -68,7 +70,7 @@ def test_apply_uses_the_local_copy_and_a_bare_name_the_bundled_one(tmp_path, mon
     assert torch.equal(_logits(model, batch), expected)  # the bundled file, exact
     engine.revert(model)
 
-    report = engine.apply(model, "./qwen3.yaml", device="cpu")
+    report = engine.apply(model, "./qwen3.yaml", device="cpu", unverified="trust")
     assert report.file == str(local)
     assert torch.equal(_logits(model, batch), local_logits)
     engine.revert(model)
@@ -147,7 +149,7 @@ def test_extends_bare_name_is_bundled_and_paths_are_relative_to_the_extending_fi
     assert by_path.files[1] == str(base)
 
     model = tiny_for("qwen3")
-    report = engine.apply(model, "configs/by_file.yaml", device="cpu")
+    report = engine.apply(model, "configs/by_file.yaml", device="cpu", unverified="trust")  # extends the wrong copy
     assert report.files == (str(configs / "by_file.yaml"), str(edited))
     assert f"(extends {edited})" in str(report)
     engine.revert(model)

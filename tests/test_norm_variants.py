@@ -148,9 +148,10 @@ def test_incident_wrong_one_plus_weight_is_caught_and_the_model_left_unpatched()
     batch = probe_batch(model, seq=24)
     reference = _loss(model, batch)
 
-    # what the incident looked like: the wrong declaration, applied without verification, moves the loss
+    # what the incident looked like: the wrong declaration, applied without verification, moves the loss (since
+    # issue 38 only where asked for: by default apply verifies it first and refuses, tests/test_trust_by_default.py)
     wrong = copy.deepcopy(model)
-    engine.apply(wrong, _wrong_qwen3(), device="cpu")
+    engine.apply(wrong, _wrong_qwen3(), device="cpu", unverified="trust")
     assert abs(float(_loss(wrong, batch)) - float(reference)) > 0.05
 
     before = snapshot(model)

@@ -323,7 +323,8 @@ def test_refuse_is_the_old_refusal_and_trust_patches_with_a_warning(tmp_path: Pa
     with pytest.raises(engine.VersionMismatch) as info:
         engine.apply(model, _qwen3(), device="cpu", unverified_release="refuse")
     assert f"requires transformers{BELOW}; installed is {INSTALLED}" in str(info.value)
-    assert "unverified_release='verify'" in str(info.value)  # says how to let it verify instead
+    assert "unverified='verify'" in str(info.value)  # says how to let it verify instead
+    assert "engine.verify(model, patchset)" in str(info.value)  # a dict: no `patch-engine verify qwen3` (the bundled one)
     assert_same(before, snapshot(model))
     report, said = _apply(model, _qwen3(), unverified_release="trust")
     assert engine.is_patched(model) and "patched without verifying it there" in said[0]

@@ -50,7 +50,8 @@ def test_the_patch_when_selects_is_the_one_that_runs(tmp_path: Path) -> None:
     # the same file with the ranges swapped: the (1 + w) declaration is now the installed release's,
     # and verification sees its numbers (so `when` is not a comment: it decides what runs)
     model = build_tiny_model("qwen3", {})
-    engine.apply(model, _two_norm_patches(tmp_path, right=NOT_NOW, wrong=NOW), device="cpu")
+    # wrong on purpose (by default apply refuses it): the verifier's own report is what this test reads
+    engine.apply(model, _two_norm_patches(tmp_path, right=NOT_NOW, wrong=NOW), device="cpu", unverified="trust")
     report = engine.verify(model, raise_on_failure=False)
     assert not report.passed and {c.cls for c in report.failures} >= {"Qwen3RMSNorm"}
 

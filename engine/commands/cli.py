@@ -102,8 +102,8 @@ def _tiny_model_for(patchset: Any, model_type: str | None, dtype: str) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from engine.api import plan  # the facade's: it says how apply would verify the patchset (Plan.verification)
     from engine.loader import load_patchset
-    from engine.planning.planner import plan
     from engine.zeroconfig import is_zero_config
 
     if is_zero_config(args.patchset):
@@ -119,23 +119,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         from engine.planning.report import Report
 
-        print(json.dumps(Report.from_plan(the_plan).to_dict(), indent=2))
+        data = Report.from_plan(the_plan).to_dict()
+        data["verification"] = {"kind": the_plan.verification.kind, "text": str(the_plan.verification)}
+        print(json.dumps(data, indent=2))
     else:
         from engine.planning.report import format_decisions, from_files
 
         print(f"plan {ps.name!r}{from_files(ps.files)} for a tiny {the_plan.model_type} "
               f"on {the_plan.device.value} ({the_plan.mode})")
-        if the_plan.release is not None:
-            print(the_plan.release_note())
+        for note in (the_plan.release_note(), the_plan.verification):
+            if note:
+                print(note)
         print(format_decisions(the_plan.decisions, detail=args.detail))
     return EXIT_OK
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from engine.api import revert, verify
     from engine.loader import load_patchset
-    from engine.patching.patcher import apply  # not the facade's: this verification is the release's too
-    from engine.planning.report import from_files
     from engine.runtime.devices import as_device, require_present
     from engine.schema import Device
 
@@ -157,36 +157,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     ps = load_patchset(args.patchset)
     device = as_device(args.device or ("cuda" if args.interpret else "cpu"))
     if args.interpret:
-        from engine.kernels.triton_interpret import interpreting
-
         if device is not Device.cuda:
             raise InvalidArgument(f"--interpret runs the CUDA plan's Triton kernels on this CPU; --device "
                                   f"{device.value} has none: use --device cuda (the default with --interpret)")
-        scope = interpreting()
     else:
         require_present(device)  # before building anything: --device cuda on a CPU machine is a usage error
-        scope = contextlib.nullcontext()
-    model = _tiny_model_for(ps, args.model_type, args.dtype)
-    if not args.interpret:
-        model = model.to(device.value)
-    with scope:  # interpreted: the vendor kernels of the CUDA plan run on CPU tensors (Triton's interpreter)
-        applied = apply(model, ps, device=device)
-        try:
-            report = verify(model, raise_on_failure=False)
-        finally:
-            revert(model)  # releases function routers (matters when main() runs inside a process)
-    if args.json:
-        data = {"ok": report.passed, "patchset": ps.name, "file": applied.file, "model_type": applied.model_type,
-                "model": type(model).__name__, "device": applied.device,
-                "outside_verified_range": str(applied.release) if applied.release else None, **report.to_dict()}
-        print(json.dumps(data, indent=2))
-    else:
-        print(f"verify {ps.name!r}{from_files(ps.files)} on a tiny {applied.model_type} "
-              f"({type(model).__name__}, {applied.device})")
-        if applied.release is not None:
-            print(f"{applied.release}: this verification is on the installed release")
-        print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
-    return EXIT_OK if report.passed else EXIT_FAILED
+    from engine.commands.verify_tiny import verify_every_type  # every model type the file lists (issue 38)
+
+    return EXIT_OK if verify_every_type(ps, args, device) else EXIT_FAILED
 
 
 def _verify_checkpoint(args: argparse.Namespace) -> int:
@@ -370,14 +348,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _release_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--unverified-release", choices=POLICIES, default=None,
-                   help="a transformers release outside the patchset's verified range: verify it there first "
-                        f"(default; a cached verdict), refuse it, or trust it (default: ${RELEASE_ENV_VAR}, else verify)")
+    p.add_argument("--unverified", "--unverified-release", dest="unverified_release", choices=POLICIES, default=None,
+                   help="content not known verified on the installed transformers (your own patchset, an edited "
+                        "bundled one, a release outside its range): verify it first (default; a cached verdict), "
+                        f"refuse it, or trust it (default: ${RELEASE_ENV_VAR}, else verify; --unverified-release is "
+                        "its old name)")
 
 
 @contextlib.contextmanager
 def _release_policy(value: str | None) -> Iterator[None]:
-    """``--unverified-release`` for everything the command calls: the engine's own variable, for the command's time.
+    """``--unverified`` for everything the command calls: the engine's own variable, for the command's time.
 
     Why the variable: every entry point reads it where no keyword says otherwise (the planner,
     a tiny model's build, coverage, a checkpoint's verification), so one flag reaches them all.

@@ -12,6 +12,12 @@ then, under the suite's release::
 
 which writes the version × patchset table between the markers of ``docs/compatibility.md``
 and exits 1 when a patchset's declared range holds a release on which it does not verify.
+With ``--manifest engine/_data/verified_content.json`` it also writes which bundled *content*
+verified on which release (:mod:`engine.releases.manifest`): what ``engine.apply`` patches with
+without verifying it first. For one edited file, under the suite's release::
+
+    python -m engine.commands.matrix run qwen3 --out /tmp/m.json
+    python -m engine.commands.matrix manifest /tmp/m.json        # merges that column's rows in
 
 A release may also be run with Hugging Face's ``kernels`` package installed beside it (its own
 column, ``5.20.1 + kernels 0.17.2``): transformers then wraps functions such as
@@ -35,8 +41,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.releases.manifest import installed_kernels
+
 __all__ = ["Cell", "check_claims", "column", "installed_kernels", "main", "render_section", "run", "unclaimed",
-           "write_section"]
+           "write_manifest", "write_section"]
 
 #: What a cell says. ``absent``: the release does not define the patchset's model type.
 STATUSES = ("verified", "fails", "refused", "absent")
@@ -53,6 +61,9 @@ class Cell:
     seconds: float = 0.0
     #: For ``refused``: whether the refusal was the engine's own clear error (a ``PatchError``), not a crash.
     clear: bool = True
+    #: The sha256 of the content verified (:func:`engine.releases.manifest.content_sha256`), for the
+    #: verified-content manifest: a row of the table is about this content, not about the file's name.
+    sha256: str | None = None
 
 
 def _verify_one(name: str) -> Cell:
@@ -62,11 +73,14 @@ def _verify_one(name: str) -> Cell:
     from engine.loader import load_patchset
     from engine.schema import Requires
 
+    from engine.releases.manifest import content_sha256
+
     start = time.perf_counter()
     patchset = load_patchset(name)
+    sha = content_sha256(patchset)
     model_type = tiny_model_type(patchset)
     if model_type not in CONFIG_MAPPING_NAMES:
-        return Cell(name, "absent", f"no model type {model_type!r} in this release")
+        return Cell(name, "absent", f"no model type {model_type!r} in this release", sha256=sha)
     unclaimed = patchset.model_copy(update={"requires": Requires()})  # the truth, not the promise
     unclaimed._files, unclaimed._origins = patchset._files, patchset._origins
     try:
@@ -77,6 +91,7 @@ def _verify_one(name: str) -> Cell:
 
         cell = Cell(name, "refused", _short(f"{type(exc).__name__}: {exc}"), clear=isinstance(exc, PatchError))
     cell.seconds = round(time.perf_counter() - start, 1)
+    cell.sha256 = sha
     return cell
 
 
@@ -84,30 +99,6 @@ def _short(text: str, limit: int = 300) -> str:
     """One line, the repository's absolute paths cut to their file name, at most ``limit`` characters."""
     text = re.sub(r"/\S*/(patchsets/[\w.]+\.yaml)", r"\1", " ".join(text.split()))
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def installed_kernels() -> str | None:
-    """The version of HF's ``kernels`` package when transformers uses it (then it wraps functions in it).
-
-    Installed is not enough: each release takes only the ``kernels`` versions it supports
-    (``is_kernels_available``' bounds), and one outside them is as good as absent for that column.
-    """
-    from importlib import metadata
-    from importlib.util import find_spec
-
-    if find_spec("kernels") is None:
-        return None
-    try:
-        from transformers.utils.import_utils import is_kernels_available
-    except ImportError:  # a release without the check: installed is used
-        pass
-    else:
-        if not is_kernels_available():
-            return None
-    try:
-        return metadata.version("kernels")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def column(result: dict) -> str:
@@ -265,6 +256,24 @@ def write_section(doc: Path, section: str) -> None:
     doc.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
 
 
+#: The verified-content manifest in this checkout (shipped in the wheel as engine/_data/).
+MANIFEST = Path(__file__).resolve().parent.parent / "_data" / "verified_content.json"
+
+
+def write_manifest(path: Path, results: list[dict]) -> dict:
+    """Merge ``results`` into the manifest at ``path`` (:func:`engine.releases.manifest.merged`); print what it holds."""
+    from engine.releases.manifest import current_content, merged
+
+    old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    current = current_content()
+    new = merged(old, results, current)
+    path.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    missing = sorted(name for name, sha in current.items() if sha not in new["content"])
+    print(f"{path}: {len(new['content'])} of {len(current)} bundled patchsets' content verified on a release"
+          + (f"; none for: {', '.join(missing)}" if missing else ""), file=sys.stderr)
+    return new
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m engine.commands.matrix run|render``: see the module docstring."""
     parser = argparse.ArgumentParser(prog="python -m engine.commands.matrix", description=__doc__.split("\n")[0])
@@ -277,11 +286,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("results", nargs="+", help="JSON files written by `run`")
     p.add_argument("--out", help="Markdown file to update between its markers")
     p.add_argument("--check", action="store_true", help="exit 1 when a declared range holds a release that fails")
+    p.add_argument("--manifest", help="also merge the verified content into this manifest (engine/_data/"
+                                      "verified_content.json)")
+    p = sub.add_parser("manifest", help="merge `run` results into the verified-content manifest")
+    p.add_argument("results", nargs="+", help="JSON files written by `run`")
+    p.add_argument("--out", default=str(MANIFEST), help=f"the manifest (default: {MANIFEST})")
     args = parser.parse_args(argv)
     if args.command == "run":
         Path(args.out).write_text(json.dumps(run(args.names, args.label), indent=1) + "\n", encoding="utf-8")
         return 0
     results = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.results]
+    if args.command == "manifest" or args.manifest:
+        write_manifest(Path(args.manifest if args.command == "render" else args.out), results)
+        if args.command == "manifest":
+            return 0
     requires = _requires()
     section = render_section(results, requires)
     if args.out:

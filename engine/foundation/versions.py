@@ -59,8 +59,12 @@ def patch_is_active(patch: object, version: str | None = None) -> bool:
     return in_range(spec, version if version is not None else installed_version())
 
 
-def check_requires(name: str, spec: str | None, version: str | None = None) -> None:
+def check_requires(name: str, spec: str | None, version: str | None = None, *, verify_hint: str | None = None) -> None:
     """Refuse a patchset whose ``requires.transformers`` range leaves out the installed version.
+
+    ``verify_hint`` is how to verify this patchset, as it works when printed (a user's file:
+    ``patch-engine verify /abs/path.yaml``; a dict: a Python call); default:
+    ``patch-engine verify NAME`` (a bundled one).
 
     Raises:
         VersionMismatch: naming the range it was verified on, the installed version, and the fixes.
@@ -70,9 +74,9 @@ def check_requires(name: str, spec: str | None, version: str | None = None) -> N
         return
     raise VersionMismatch(
         f"patchset {name!r} requires transformers{spec}; installed is {installed or 'none'}. {spec} are the "
-        "versions it is verified on (docs/compatibility.md); nothing was patched (unverified_release='refuse'). "
-        "Let the engine verify it on this release first (unverified_release='verify', the default; "
-        f"--unverified-release verify; ${RELEASE_ENV_VAR}), install a transformers in that range, or verify the "
-        f"patchset (patch-engine verify {name}) and widen `requires`, with `when` ranges on the patches whose "
-        "target changed (docs/versions.md)."
+        "versions it is verified on (docs/compatibility.md); nothing was patched (unverified='refuse'). "
+        "Let the engine verify it on this release first (unverified='verify', the default; "
+        f"--unverified verify; ${RELEASE_ENV_VAR}=verify), install a transformers in that range, or verify the "
+        f"patchset ({verify_hint or f'patch-engine verify {name}'}) and widen `requires`, with `when` ranges on the patches "
+        "whose target changed (docs/versions.md)."
     )

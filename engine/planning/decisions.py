@@ -60,6 +60,10 @@ class Plan:
     #: Set when the installed transformers is outside the patchset's ``requires`` and the
     #: ``unverified_release`` policy let it through (:class:`engine.foundation.release_policy.OutsideRange`).
     release: OutsideRange | None = None
+    #: What apply does about verification (``engine.plan`` sets it: :class:`engine.releases.known.VerificationPath`):
+    #: none needed (bundled content CI verified on this release), a cached verdict of its own, verifies it first,
+    #: trusts it, or refuses it. ``None`` where the planner was called directly (it reads no cache).
+    verification: Any = None
 
     @property
     def patched(self) -> tuple[Decision, ...]:
@@ -79,8 +83,8 @@ class Plan:
             f"plan {self.patchset.name!r}{from_files(self.patchset.files)} "
             f"for {self.model_type} on {self.device.value} ({self.mode})"
         )
-        release = f"\n{self.release_note()}" if self.release else ""
-        return head + release + "\n" + format_decisions(self.decisions)
+        notes = [note for note in (self.release_note(), self.verification) if note]
+        return "\n".join([head, *map(str, notes), format_decisions(self.decisions)])
 
     def release_note(self) -> str | None:
         """What apply will do about a release outside the patchset's range (``None`` inside it)."""
@@ -89,7 +93,7 @@ class Plan:
 
 _RELEASE_ACTION = {
     "verify": "apply verifies the patchset on it first (a cached verdict where there is one)",
-    "trust": "apply patches without verifying (unverified_release='trust')",
+    "trust": "apply patches without verifying (unverified='trust')",
 }
 
 

@@ -140,8 +140,9 @@ class Report:
 def _release_line(release: Any) -> str:
     """One line on the release: a verdict says itself; a trusted release says it was not verified."""
     if getattr(release, "policy", None) == "trust":
-        return f"{release}: patched without verifying it there (unverified_release='trust')"
-    return str(release)
+        return f"{release}: patched without verifying it there (unverified='trust')"
+    done = getattr(release, "done", None)  # a content not known verified, trusted (engine.releases.known)
+    return done() if callable(done) else str(release)
 
 
 def _release_dict(release: Any) -> dict[str, Any] | None:

@@ -1,106 +1,82 @@
-"""The release gate: what :func:`engine.apply` does between planning and patching when the release is unverified.
+"""The gate: what :func:`engine.apply` does between planning and patching about content not known verified.
 
-The plan says whether the installed transformers is outside the patchset's ``requires``
-(``Plan.release``, set by the planner under the ``verify`` and ``trust`` policies; ``refuse``
-has already raised there). The gate then, before anything changes:
+:func:`engine.releases.known.verification_path` says which way the plan goes; the gate acts on
+it before anything changes:
 
-* ``trust``: warns (:class:`UnverifiedReleaseWarning`) and lets the patch go on;
-* ``verify``: looks the verdict up in the cache (:mod:`engine.releases.cache`, keyed by
-  :mod:`engine.releases.key`), else verifies the patchset on this release
-  (:mod:`engine.releases.self_verify`) and caches the verdict. Passed: one warning naming the
-  release and the cache file, and the patch goes on. Failed: :class:`ReleaseVerificationFailed`
-  with the verifier's finding; the model is untouched.
+* known verified (bundled content CI verified on this release, a cached pass of its own, nothing
+  to patch): the patch goes on;
+* ``trust``: warns (:class:`UnverifiedContentWarning`, :class:`UnverifiedReleaseWarning` for a
+  release outside the range) and lets the patch go on;
+* ``refuse``: :class:`UnverifiedContent`;
+* ``verify`` (the default): verifies the content on this release (:mod:`engine.releases.self_verify`,
+  a tiny model of the user's model type) under the key's lock and caches the verdict. Passed: one
+  warning naming what was verified and where the verdict is kept, and the patch goes on. Failed:
+  :class:`SelfVerificationFailed` (:class:`ReleaseVerificationFailed` outside the range) with the
+  verifier's finding and the ``file:line`` of each patch that does not fit; the model is untouched.
+  Could not run (an exception, no check): :class:`VerificationNotRun` with its cause, nothing
+  cached, nothing patched.
+
+Every command a message suggests works as printed: a user's file is named by its absolute path
+(:func:`engine.runtime.release.verify_command`), a dict by the Python call that verifies it.
 """
 
 from __future__ import annotations
 
 import datetime
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
-from engine.errors import ReleaseVerificationFailed, UnverifiedReleaseWarning
-from engine.foundation.release_policy import OutsideRange
-from engine.kernels.triton_interpret import is_interpreting
+from engine.errors import (
+    ReleaseVerificationFailed,
+    SelfVerificationFailed,
+    UnverifiedContent,
+    UnverifiedContentWarning,
+    UnverifiedReleaseWarning,
+    VerificationNotRun,
+)
+from engine.foundation.release_policy import OutsideRange, Policy, resolve_policy
 from engine.planning.decisions import Plan
 from engine.releases.cache import VerdictStore
-from engine.releases.key import device_kind, key_material, key_of
-from engine.releases.self_verify import kernels_of, verify_on_this_release
-from engine.verification.compare import DTYPE_NAMES
+from engine.releases.known import VerificationPath, key_for, model_dtype, verification_path
+from engine.releases.self_verify import verify_on_this_release
+from engine.releases.verdict import ReleaseVerdict
+from engine.runtime.release import verify_command
 
 __all__ = ["ReleaseGate", "ReleaseVerdict", "release_verdict"]
 
 
-@dataclass
-class ReleaseVerdict:
-    """The self-verification of one patchset on one unverified release (fresh, or read from the cache)."""
-
-    patchset: str
-    spec: str  # the patchset's requires.transformers
-    installed: str  # the transformers release it was verified on
-    passed: bool
-    finding: str  # the verifier's failure message ("" when it passed)
-    model: str  # what it ran on: "tiny qwen3 (Qwen3ForCausalLM)"
-    device: str  # device kind (engine.releases.key.device_kind)
-    dtype: str
-    mode: str
-    checks: int
-    seconds: float  # how long the verification took (when it ran)
-    verified_at: str  # UTC, ISO 8601
-    source: str = ""  # the patchset's file (or its name, for a dict), for the commands the messages suggest
-    cache_file: str | None = None  # where the verdict is kept (None: it could not be written)
-    cached: bool = False  # read from the cache by this apply (no verification ran)
-
-    def where(self) -> str:
-        return f"cached in {self.cache_file}" if self.cache_file else "not cached (the cache folder is not writable)"
-
-    def summary(self) -> str:
-        """``tiny qwen3 (Qwen3ForCausalLM), cpu, fp32, training: 27 checks in 6.1 s``."""
-        return f"{self.model}, {self.device}, {self.dtype}, {self.mode}: {self.checks} checks in {self.seconds} s"
-
-    def __str__(self) -> str:
-        result = "passed" if self.passed else "FAILED"
-        how = (f"verified there at {self.verified_at}: {result} ({self.summary()}); verdict read from {self.cache_file}"
-               if self.cached else f"verified there first: {result} ({self.summary()}); verdict {self.where()}")
-        return (f"patchset {self.patchset!r} is verified on transformers{self.spec}; installed {self.installed} is "
-                f"outside that range, so it was {how}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+def _spec(plan: Plan) -> str:
+    requires = plan.patchset.requires
+    return str(requires.transformers) if requires is not None and requires.transformers else ""
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+def release_verdict(model: nn.Module, plan: Plan, why: str = "", *,
+                    tiny_copy: Callable[[nn.Module], nn.Module] | None = None) -> ReleaseVerdict:
+    """The verdict for applying ``plan`` to ``model`` on this release: from the cache, else verified and cached.
 
+    ``why``: why the content is not known verified (shown in the verdict). A verification that could
+    not run raises :class:`VerificationNotRun` and leaves the cache as it was.
+    """
+    from engine.foundation.versions import installed_version
 
-def _device_index(model: nn.Module, device: str) -> int | None:
-    return next((p.device.index for p in model.parameters() if p.device.type == device), None)
-
-
-def release_verdict(model: nn.Module, plan: Plan) -> ReleaseVerdict:
-    """The verdict for applying ``plan`` to ``model`` on this release: from the cache, else verified and cached."""
-    outside = plan.release
-    assert outside is not None, "release_verdict is for a plan outside its patchset's range"
-    dtype = _model_dtype(model)
-    interpreted = plan.device.value == "cuda" and is_interpreting()
-    kind = device_kind(plan.device.value, interpreted=interpreted, index=_device_index(model, plan.device.value))
-    material = key_material(plan.patchset, device_kind=kind, dtype=DTYPE_NAMES.get(dtype, str(dtype)),
-                            mode=plan.mode, kernels=kernels_of(plan))
-    key = key_of(material)
+    key, material = key_for(model, plan)
     store = VerdictStore()
     with store.lock(key):  # one verifier per key: other ranks wait here, then read its verdict
         entry = store.read(key, material)
         if entry is not None:
-            return ReleaseVerdict(**entry["verdict"], cache_file=str(store.path(key)), cached=True)
-        outcome = verify_on_this_release(model, plan, dtype)
+            return ReleaseVerdict.from_entry(entry["verdict"], cache_file=str(store.path(key)), cached=True)
+        outcome = verify_on_this_release(model, plan, model_dtype(model), tiny_copy=tiny_copy)
+        outside = plan.release
+        if not outcome.ran:
+            raise _not_run(plan, outcome, why)
         verdict = ReleaseVerdict(
-            outside.patchset, outside.spec, outside.installed, outcome.passed, outcome.finding, outcome.model, kind,
-            material["dtype"], plan.mode, outcome.checks, outcome.seconds,
-            datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            plan.file or plan.patchset.name,
+            plan.patchset.name, _spec(plan), outside.installed if outside else (installed_version() or "none"),
+            outcome.passed, outcome.finding, outcome.model, material["device"], material["dtype"], plan.mode,
+            outcome.checks, outcome.seconds, datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            verify_command(plan.patchset) or "", model_type=plan.model_type, why=why, outside=outside is not None,
         )
         stored = {k: v for k, v in verdict.to_dict().items() if k not in ("cache_file", "cached")}
         path = store.write(key, {"material": material, "passed": verdict.passed, "finding": verdict.finding,
@@ -109,53 +85,106 @@ def release_verdict(model: nn.Module, plan: Plan) -> ReleaseVerdict:
         return verdict
 
 
-def _refusal(verdict: ReleaseVerdict) -> ReleaseVerificationFailed:
+def _how_to_verify(source: str | None) -> str:
+    """The command (or call) that shows every check of the verification, as it works when printed."""
+    if source:
+        return f"patch-engine verify {source}"
+    return "engine.verify(tiny_model, patchset) on a tiny model of this type (engine.tiny.build_tiny_model)"
+
+
+def _not_run(plan: Plan, outcome: Any, why: str) -> VerificationNotRun:
+    source = verify_command(plan.patchset)
     text = (
-        f"patchset {verdict.patchset!r} is verified on transformers{verdict.spec}; installed is {verdict.installed}, "
-        f"outside that range, and verifying it on {verdict.installed} failed, so nothing was patched "
-        f"({verdict.summary()}; verdict {verdict.where()}{', from an earlier apply' if verdict.cached else ''}):\n"
-        f"{verdict.finding}\n"
-        f"The release changed what a target computes, or the declaration never fit: fix the patch the finding names "
-        f"(patch-engine verify {verdict.source or verdict.patchset} shows every check; a `when` range keeps the old "
-        f"declaration for older releases, docs/versions.md), or install a transformers in {verdict.spec}. "
-        "unverified_release='trust' would apply it anyway, computing other numbers than the original."
+        f"patchset {plan.patchset.name!r} ({why}) had to be verified on this release before patching, and the "
+        f"verification could not run, so nothing was patched and no verdict was cached (this is neither a pass nor a "
+        f"failure; the next apply tries again): {outcome.cause}\n"
+        f"To proceed: verify this model itself instead (engine.apply(model, ..., verify=True): no tiny model), fix "
+        f"what the cause names ({_how_to_verify(source)} shows the tiny model's run), or apply it unverified "
+        "(unverified='trust'), at your own risk."
     )
-    error = ReleaseVerificationFailed(text)
+    error = VerificationNotRun(text)
+    error.cause = outcome.cause
+    return error
+
+
+def _refusal(verdict: ReleaseVerdict) -> SelfVerificationFailed:
+    earlier = ", from an earlier apply" if verdict.cached else ""
+    if verdict.outside:
+        head = (f"patchset {verdict.patchset!r} is verified on transformers{verdict.spec}; installed is "
+                f"{verdict.installed}, outside that range, and verifying it on {verdict.installed} failed, so nothing "
+                f"was patched ({verdict.summary()}; verdict {verdict.where()}{earlier}):\n")
+        fix = (f"The release changed what a target computes, or the declaration never fit: fix the patch the finding "
+               f"names ({_how_to_verify(verdict.source)} shows every check; a `when` range keeps the old declaration "
+               f"for older releases, docs/versions.md), or install a transformers in {verdict.spec}. ")
+        kind: type[SelfVerificationFailed] = ReleaseVerificationFailed
+    else:
+        head = (f"patchset {verdict.patchset!r}, {verdict.why or 'not bundled content'}, is not content CI verified on "
+                f"transformers {verdict.installed}; verifying it there on a {verdict.model} failed, so nothing was "
+                f"patched ({verdict.summary()}; verdict {verdict.where()}{earlier}):\n")
+        fix = (f"A declaration does not fit what this model computes: fix the patch the finding names "
+               f"({_how_to_verify(verdict.source)} shows every check). ")
+        kind = SelfVerificationFailed
+    text = (head + verdict.finding + "\n" + fix +
+            "unverified='trust' would apply it anyway, computing other numbers than the original.")
+    error = kind(text)
     error.finding, error.verdict = verdict.finding, verdict
     return error
 
 
-class ReleaseGate:
-    """``before_install`` for :func:`engine.patching.patcher.apply`: the policy's answer to ``Plan.release``.
+def _warning_kind(plan: Plan) -> type[UnverifiedContentWarning]:
+    return UnverifiedReleaseWarning if plan.release is not None else UnverifiedContentWarning
 
-    After the call, :attr:`outcome` is the verdict (``verify``), the ``OutsideRange`` (``trust``,
-    or ``verify`` left to the caller's verification of the model itself: ``verified_after``) or
-    ``None`` (inside the range), for the report.
+
+class ReleaseGate:
+    """``before_install`` for :func:`engine.patching.patcher.apply`: the policy's answer to content not known verified.
+
+    After the call, :attr:`path` is the way it went (:class:`VerificationPath`) and :attr:`outcome`
+    what the report keeps: the verdict (verified now or cached), the ``OutsideRange`` (trusted, or
+    left to the caller's verification of the model itself: ``verified_after``), the path itself
+    (unverified content trusted or left to the model's verification), or ``None`` (known verified).
     """
 
-    def __init__(self, model: nn.Module, *, verified_after: bool = False):
+    def __init__(self, model: nn.Module, *, verified_after: bool = False, policy: Policy | None = None,
+                 tiny_copy: Callable[[nn.Module], nn.Module] | None = None):
         self.model = model
+        self.tiny_copy = tiny_copy  # builds a tiny copy of a model running its own code (remote code)
         self.verified_after = verified_after
-        self.outcome: ReleaseVerdict | OutsideRange | None = None
+        self.policy: Policy = policy or resolve_policy(None)
+        self.path: VerificationPath | None = None
+        self.outcome: ReleaseVerdict | OutsideRange | VerificationPath | None = None
 
     def __call__(self, plan: Plan) -> None:
-        outside = plan.release
-        if outside is None:
+        path = verification_path(self.model, plan, self.policy)
+        self.path = path
+        if path.kind in ("bundled", "nothing"):
             return
-        if outside.policy == "trust":
-            self.outcome = outside
-            message = (f"patch-engine: {outside}; patched without verifying it there (unverified_release='trust'). "
-                       f"Verify it: engine.verify(model) after apply, or patch-engine verify {outside.patchset}")
-            warnings.warn(message, UnverifiedReleaseWarning, stacklevel=4)
+        if path.kind == "trust":
+            self.outcome = plan.release or path
+            command = _how_to_verify(path.source)
+            message = (f"patch-engine: {plan.release or path.why}; patched without verifying it there "
+                       f"(unverified='trust'). Verify it: engine.verify(model) after apply, or {command}")
+            if plan.release is None:
+                message = (f"patch-engine: patchset {plan.patchset.name!r}, {path.why}, is not content CI verified on "
+                           f"this release; patched without verifying it (unverified='trust'). Verify it: "
+                           f"engine.verify(model) after apply, or {command}")
+            warnings.warn(message, _warning_kind(plan), stacklevel=4)
             return
         if self.verified_after:  # apply(verify=...): the model's own verification follows, and decides
-            self.outcome = outside
+            self.outcome = plan.release
             return
-        verdict = release_verdict(self.model, plan)
+        if path.kind == "refuse":
+            raise UnverifiedContent(
+                f"patchset {plan.patchset.name!r}, {path.why}, is not content known verified on this release (not a "
+                f"bundled patchset as CI verified it here, and no passing verdict of its own in the cache), and "
+                f"unverified='refuse' applies only what is: nothing was patched. Verify it first: unverified='verify' "
+                f"(the default: verified once on a tiny {path.model_type} model, then cached), or "
+                f"{_how_to_verify(path.source)} to see every check")
+        verdict = release_verdict(self.model, plan, path.why, tiny_copy=self.tiny_copy)
         self.outcome = verdict
         if not verdict.passed:
             raise _refusal(verdict)
-        warnings.warn(f"patch-engine: {verdict}; patched", UnverifiedReleaseWarning, stacklevel=4)
+        if plan.release is not None or not verdict.cached:  # a cached pass of one's own content goes on quietly
+            warnings.warn(f"patch-engine: {verdict}; patched", _warning_kind(plan), stacklevel=4)
 
     def _deferred(self) -> OutsideRange | None:
         outside = self.outcome

@@ -1,13 +1,15 @@
 """What a self-verification verdict depends on, as data: its key material and the key hashed from it.
 
 Why each part: a verdict says "this patchset, with these kernels, computes what the original
-computes, on this release". It changes with the patchset's resolved content (``extends``
-included, the fused head's settings included), the engine's own code (ops, kernels, the
-verifier), the libraries whose code runs (transformers, torch, the vendor kernels), the device
-kind (another GPU compiles Triton kernels for another architecture; the Triton interpreter is
-not a GPU), the dtype and the mode (``auto`` picks kernels by them; the judge runs in them), and
-the kernel each patch got. Anything else (the model's size, its weights, the machine's name)
-does not enter: the verification runs on the tiny model of the patchset's type.
+computes on a model of this type, on this release". It changes with the patchset's resolved
+content (``extends`` included, the fused head's settings included), the model type it was
+verified on (the user's: a patchset for ``[qwen3, llama]`` verified on a llama says nothing of
+its Qwen3 patches), the engine's own code (ops, kernels, the verifier), the libraries whose code
+runs (transformers, torch, the vendor kernels), the device kind (another GPU compiles Triton
+kernels for another architecture; the Triton interpreter is not a GPU), the dtype and the mode
+(``auto`` picks kernels by them; the judge runs in them), and the kernel each patch got.
+Anything else (the model's size, its weights, the machine's name) does not enter: the
+verification runs on a tiny model of the user's model type.
 
 The material is stored in each entry and compared on read, so a key collision or a hand-edited
 entry can never pass for another verification.
@@ -24,7 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["LIBRARIES", "device_kind", "engine_fingerprint", "key_material", "key_of", "library_versions"]
+__all__ = ["LIBRARIES", "device_kind", "engine_fingerprint", "key_material", "key_of", "library_versions",
+           "model_code"]
 
 #: Distributions whose code a verdict depends on (absent ones are recorded as absent).
 LIBRARIES = ("transformers", "torch", "liger-kernel", "flash-linear-attention", "fla-core", "triton", "torch-npu",
@@ -81,13 +84,17 @@ def device_kind(device: str, *, interpreted: bool = False, index: int | None = N
 
 def key_material(
     patchset: Any, *, device_kind: str, dtype: str, mode: str, kernels: dict[str, list[str]],
-    versions: dict[str, str | None] | None = None,
+    versions: dict[str, str | None] | None = None, model_type: str | None = None,
 ) -> dict[str, Any]:
-    """Everything the verdict depends on, as JSON-ready data (``versions`` defaults to the installed ones)."""
+    """Everything the verdict depends on, as JSON-ready data (``versions`` defaults to the installed ones).
+
+    ``model_type``: the type of the model the verdict is for (the user's ``config.model_type``).
+    """
     content = json.dumps(patchset.model_dump(mode="json"), sort_keys=True)
     return {
         "patchset": patchset.name,
         "patchset_sha256": hashlib.sha256(content.encode()).hexdigest(),
+        "model_type": model_type,
         "engine": engine_fingerprint(),
         "libraries": dict(library_versions()) if versions is None else dict(versions),
         "device": device_kind,
@@ -95,6 +102,24 @@ def key_material(
         "mode": mode,
         "kernels": {str(k): sorted(v) for k, v in sorted(kernels.items(), key=lambda kv: int(kv[0]))},
     }
+
+
+def model_code(model: Any) -> str | None:
+    """The sha256 of the file that defines ``type(model)`` where it is a checkpoint's own code (remote code), else ``None``.
+
+    Why: transformers' own classes are keyed by its version; a checkpoint's modeling file is not
+    versioned with anything, so its content enters the key (another revision: another verdict).
+    """
+    import inspect
+
+    cls = type(model)
+    if not cls.__module__.startswith("transformers_modules."):
+        return None
+    try:
+        source = inspect.getsourcefile(cls)
+        return hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else "unknown"
+    except (OSError, TypeError):
+        return "unknown"
 
 
 def key_of(material: dict[str, Any]) -> str:

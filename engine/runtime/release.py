@@ -11,7 +11,7 @@ tiny model was built. The true answer is the version: the range the patchset is 
 
 Two questions, in this order: does ``requires.transformers`` hold the installed release, and
 does the release define the patchset's model type at all. Outside the range, the
-``unverified_release`` policy (:mod:`engine.foundation.release_policy`) decides: ``refuse``
+``unverified`` policy (:mod:`engine.foundation.release_policy`) decides: ``refuse``
 raises here (:func:`engine.foundation.versions.check_requires`); ``verify`` and ``trust`` return an
 :class:`OutsideRange` that the plan carries, and :func:`engine.apply` verifies the patchset on the
 installed release before patching (:mod:`engine.releases`) or warns. A model type the release
@@ -30,7 +30,7 @@ from engine.errors import VersionMismatch
 from engine.foundation.release_policy import OutsideRange, resolve_policy
 from engine.foundation.versions import check_requires, in_range, installed_version
 
-__all__ = ["bundled_covering", "check_release", "is_bundled", "known_model_type"]
+__all__ = ["bundled_covering", "check_release", "is_bundled", "known_model_type", "verify_command"]
 
 
 def known_model_type(model_type: str) -> bool:
@@ -46,6 +46,23 @@ def is_bundled(patchset: Any) -> bool:
 
     files = list(getattr(patchset, "files", None) or [])
     return bool(files) and Path(files[0]).resolve().parent == bundled_dir().resolve()
+
+
+def verify_command(patchset: Any) -> str | None:
+    """What to pass to ``patch-engine verify`` for ``patchset``, so a suggested command works as printed.
+
+    A bundled patchset: its name. A user's file: its absolute path, quoted for a shell (its bare
+    name resolves to the bundled folder first, then to the working folder: from anywhere else it
+    fails). ``None`` for a patchset built in memory (a dict): it has nothing to name.
+    """
+    import shlex
+
+    files = list(getattr(patchset, "files", None) or [])
+    if not files:
+        return None
+    if is_bundled(patchset):
+        return str(patchset.name)
+    return shlex.quote(str(Path(files[0]).resolve()))
 
 
 def _absent(name: str, model_type: str, spec: str | None) -> VersionMismatch:
@@ -79,7 +96,9 @@ def check_release(patchset: Any, model_type: str | None = None, *, policy: str |
     resolved = resolve_policy(policy)
     spec = patchset.requires.transformers if patchset.requires is not None else None
     if resolved == "refuse":
-        check_requires(patchset.name, spec)
+        command = verify_command(patchset)
+        check_requires(patchset.name, spec, verify_hint=f"patch-engine verify {command}" if command else
+                       "engine.verify(model, patchset) on a model of its type, which patches, verifies and reverts it")
     # a type the patchset does not declare is the caller's to refuse (a typo gets suggestions there)
     types = [model_type] if model_type in patchset.model_types else list(patchset.model_types)
     if types and is_bundled(patchset) and not any(known_model_type(t) for t in types):

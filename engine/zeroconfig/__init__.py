@@ -36,6 +36,7 @@ from engine.runtime.wrappers import unwrap
 from engine.schema import Patchset
 from engine.zeroconfig.bundled import bundled_for
 from engine.zeroconfig.measure import Measured, measure
+from engine.zeroconfig.tiny_copy import code_identity
 from engine.zeroconfig.verdict import MeasuredVerdict, subset, verified_subset
 
 __all__ = ["AUTO", "MEASURE", "Choice", "ZeroConfigReport", "choose", "is_zero_config", "resolve"]
@@ -173,7 +174,8 @@ def choose(
         record.source, record.bundled = "bundled", bundled
         return Choice(record, bundled)
     plan_kwargs = {"device": device, "mode": mode}
-    found: Measured = measure(inner)
+    identity = code_identity(inner)  # what both cache keys hold of the model: its classes, code and shrunk config
+    found: Measured = measure(inner, identity)
     record.measure_seconds, record.measure_cached, record.measure_cache_file = (
         found.seconds, found.cached, found.cache_file)
     record.not_patched, record.problem = list(found.not_patched), found.problem
@@ -182,7 +184,8 @@ def choose(
     measured = found.patchset
     record.measured = [_label(p) for p in measured.patches]
     the_plan = plan(inner, measured, fused_cross_entropy=fused_cross_entropy, **plan_kwargs)
-    verdict: MeasuredVerdict = verified_subset(inner, measured, the_plan, fused_cross_entropy=fused_cross_entropy)
+    verdict: MeasuredVerdict = verified_subset(inner, measured, the_plan, fused_cross_entropy=fused_cross_entropy,
+                                               identity=identity)
     record.verdict = {"checks": verdict.checks, "seconds": verdict.seconds, "device": verdict.device,
                       "dtype": verdict.dtype, "mode": verdict.mode, "cached": verdict.cached,
                       "cache_file": verdict.cache_file}
@@ -201,11 +204,11 @@ def choose(
         warnings.warn(f"patch-engine: {len(record.failed)} measured declaration(s) of {record.model_class} failed "
                       f"verification and were left unpatched: {', '.join(record.failed)}", ZeroConfigWarning,
                       stacklevel=4)
-    kept = subset(measured, verdict.passed)
     from engine.releases.self_verify import kernels_of
 
-    kept_plan = plan(inner, kept, fused_cross_entropy=fused_cross_entropy, **plan_kwargs)
-    return Choice(record, kept, gate=MeasuredGate(kernels_of(kept_plan)))
+    verified = kernels_of(the_plan)  # the kept patches' kernels, renumbered as the kept patchset numbers them
+    kernels = {str(j): verified[str(i)] for j, i in enumerate(verdict.passed) if str(i) in verified}
+    return Choice(record, subset(measured, verdict.passed), gate=MeasuredGate(kernels))
 
 
 def resolve(model: nn.Module, patchset: Any, **kwargs: Any) -> Patchset | str | dict[str, Any] | None:

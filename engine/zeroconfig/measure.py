@@ -16,7 +16,7 @@ import hashlib
 import json
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -50,9 +50,14 @@ class Measured:
     cache_file: str | None = None
 
 
-def measurement_material(model: nn.Module) -> dict[str, Any]:
+#: This process's measurements by key: a training script that applies again (a callback's second
+#: event, each model of an ensemble) reads neither the file nor the YAML again.
+_MEMO: dict[str, Measured] = {}
+
+
+def measurement_material(model: nn.Module, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a measurement depends on, as data (stored in its cache entry and compared on read)."""
-    return {"measured": 1, **code_identity(model), "engine": engine_fingerprint(),
+    return {"measured": 1, **(identity or code_identity(model)), "engine": engine_fingerprint(),
             "libraries": dict(library_versions())}
 
 
@@ -61,41 +66,57 @@ def _store() -> VerdictStore:
     return VerdictStore(cache_dir() / "measured")
 
 
-def _from_text(text: str, model_type: str) -> Measured:
+def _data(text: str, model_type: str) -> dict[str, Any]:
+    """The patchset the rendered text holds, as the data apply uses (renamed: it is not the scaffold's file)."""
     data = yaml.safe_load(text)
-    data["name"] = f"{data.get('name') or 'model'}.measured"
     data.pop("tiny_model", None)  # verified on the tiny copy of the user's model, not one rebuilt from a type name
+    data["name"] = f"{data.get('name') or 'model'}.measured"
     data["description"] = f"Declarations measured on a tiny copy of this {model_type} model (engine.apply(model))."
+    for patch in data.get("patches") or []:
+        # the tiny copy's layers may hold a class the model lacks (a dense layer beside the experts): planned as a
+        # skip and reported, not refused
+        patch["optional"] = True
+    return data
+
+
+def _from_text(text: str, data: dict[str, Any]) -> Measured:
     lines = [line.removeprefix(p) for line in text.splitlines() for p in _NOT_PATCHED if line.startswith(p)]
     return Measured(load_patchset(data), text, not_patched=lines)
 
 
-def measure(model: nn.Module) -> Measured:
+def _hit(found: Measured, start: float, path: str) -> Measured:
+    return replace(found, cached=True, cache_file=path, seconds=round(time.perf_counter() - start, 3),
+                   not_patched=list(found.not_patched))
+
+
+def measure(model: nn.Module, identity: dict[str, Any] | None = None) -> Measured:
     """Measure ``model``'s declarations on a tiny copy of it (or read them from the cache).
 
     Never raises for a model it cannot measure: the returned :class:`Measured` has no patchset
-    and says why (the caller reports it, and patches nothing).
+    and says why (the caller reports it, and patches nothing). ``identity``: the model's
+    :func:`~engine.zeroconfig.tiny_copy.code_identity`, where the caller has it already.
     """
     start = time.perf_counter()
     model_type = str(getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__)
     try:
-        material = measurement_material(model)
+        material = measurement_material(model, identity)
     except Exception as exc:  # noqa: BLE001  (a config that cannot be shrunk: reported, nothing measured)
         return Measured(None, "", problem=f"its config cannot be shrunk to a tiny copy: {type(exc).__name__}: {exc}")
     key = f"{model_type[:40]}-{hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]}"
     key = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
     store = _store()
+    if key in _MEMO:
+        return _hit(_MEMO[key], start, str(store.path(key)))
     with store.lock(key):
         entry = store.read(key, material)
-        if entry is not None and isinstance(entry.get("text"), str):
+        if entry is not None and isinstance(entry.get("text"), str) and isinstance(entry.get("data"), dict):
             try:
-                found = _from_text(entry["text"], model_type)
+                found: Measured | None = _from_text(entry["text"], entry["data"])
             except PatchError:
                 found = None  # an entry this engine cannot load: measure again
             if found is not None:
-                found.cached, found.cache_file = True, str(store.path(key))
-                found.seconds = round(time.perf_counter() - start, 3)
-                return found
+                _MEMO[key] = found
+                return _hit(found, start, str(store.path(key)))
         try:
             # the tiny copy's own warnings are not the user's, and the user's random state is left as it was
             with warnings.catch_warnings(), callers_random_state("cpu"):
@@ -106,8 +127,9 @@ def measure(model: nn.Module) -> Measured:
             return Measured(None, "", problem=f"measuring a tiny copy of {type(model).__name__} failed: "
                                               f"{type(exc).__name__}: {str(exc).strip()[:500]}",
                             seconds=round(time.perf_counter() - start, 3))
-        found = _from_text(text, model_type)
-        path = store.write(key, {"material": material, "passed": True, "finding": "", "text": text})
-        found.cache_file = str(path) if path is not None else None
-        found.seconds = round(time.perf_counter() - start, 3)
-        return found
+        data = _data(text, model_type)
+        found = _from_text(text, data)
+        _MEMO[key] = found
+        path = store.write(key, {"material": material, "passed": True, "finding": "", "text": text, "data": data})
+        return replace(found, cache_file=str(path) if path is not None else None,
+                       seconds=round(time.perf_counter() - start, 3), not_patched=list(found.not_patched))

@@ -37,8 +37,7 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, **sizes}
 
 
-def shrunk_config(config: Any) -> Any:
-    """A config of ``type(config)`` with its sizes (and those of its sub-configs: text, vision) shrunk."""
+def _shrunk_values(config: Any) -> dict[str, Any]:
     values = config.to_dict()
     for name in getattr(type(config), "sub_configs", None) or {}:
         sub = values.get(name)
@@ -46,7 +45,12 @@ def shrunk_config(config: Any) -> Any:
             values[name] = _shrink(sub)
     values = _shrink(values)
     values.pop("transformers_version", None)
-    small = type(config).from_dict(values)
+    return values
+
+
+def shrunk_config(config: Any) -> Any:
+    """A config of ``type(config)`` with its sizes (and those of its sub-configs: text, vision) shrunk."""
+    small = type(config).from_dict(_shrunk_values(config))
     small._attn_implementation = "eager"
     for name in getattr(type(small), "sub_configs", None) or {}:
         sub = getattr(small, name, None)
@@ -93,8 +97,7 @@ def _source_digest(obj: Any) -> str:
 def code_identity(model: nn.Module) -> dict[str, Any]:
     """What a measurement depends on besides the release: the classes, their code, and the shrunk config."""
     cls, config = type(model), model.config
-    small = shrunk_config(config).to_dict()
-    small.pop("transformers_version", None)
+    small = _shrunk_values(config)
     return {
         "model_type": str(getattr(config, "model_type", "")),
         "model_class": f"{cls.__module__}.{cls.__qualname__}",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -158,7 +158,16 @@ def _run(model: nn.Module, plan: Plan, fused: Any) -> MeasuredVerdict:
     return verdict
 
 
-def verified_subset(model: nn.Module, measured: Patchset, plan: Plan, *, fused_cross_entropy: Any = None) -> MeasuredVerdict:
+#: This process's verdicts by key (what a second apply in the same process reads instead of the file).
+_MEMO: dict[str, MeasuredVerdict] = {}
+
+
+def _copy(verdict: MeasuredVerdict, **changes: Any) -> MeasuredVerdict:
+    return replace(verdict, failed=dict(verdict.failed), passed=list(verdict.passed), **changes)
+
+
+def verified_subset(model: nn.Module, measured: Patchset, plan: Plan, *, fused_cross_entropy: Any = None,
+                    identity: dict[str, Any] | None = None) -> MeasuredVerdict:
     """The verdict on ``measured`` (``plan.patchset``) as ``plan`` (for ``model``) would install it: from the cache, else verified and cached.
 
     A verification that could not run (an exception, a tiny copy that does not build) is
@@ -169,9 +178,11 @@ def verified_subset(model: nn.Module, measured: Patchset, plan: Plan, *, fused_c
     kind = device_kind(plan.device.value, interpreted=interpreted)
     material = key_material(pinned(plan), device_kind=kind, dtype=DTYPE_NAMES.get(dtype, str(dtype)),
                             mode=plan.mode, kernels=kernels_of(plan))
-    material["measured_on"] = code_identity(model)
+    material["measured_on"] = identity or code_identity(model)
     key = key_of(material)
     store = VerdictStore()
+    if key in _MEMO:
+        return _copy(_MEMO[key], cached=True, cache_file=str(store.path(key)))
     fields = ("passed", "checks", "seconds", "model", "device", "dtype", "mode", "verified_at")
     with store.lock(key):
         entry = store.read(key, material)
@@ -184,11 +195,13 @@ def verified_subset(model: nn.Module, measured: Patchset, plan: Plan, *, fused_c
                 done = None
             if done is not None:
                 done.cached, done.cache_file = True, str(store.path(key))
-                return done
+                _MEMO[key] = done
+                return _copy(done)
         verdict = _run(model, plan, fused_cross_entropy)
         verdict.device = kind
         if verdict.problem:
             return verdict
+        _MEMO[key] = _copy(verdict)
         data = {k: getattr(verdict, k) for k in fields}
         data["failed"] = {str(k): v for k, v in verdict.failed.items()}
         path = store.write(key, {"material": material, "passed": not verdict.failed,
