@@ -84,6 +84,12 @@ def write_tiny(root: Path) -> Path:
     return root
 
 
+#: The policy setting that applies a patchset without verifying it first (``unverified='trust'``): by default a
+#: patchset of the user's own is verified on the installed release before it patches, so a wrong declaration is
+#: refused before step 1; the tests that show a wrong declaration *would* change the losses must ask for trust.
+TRUST = {"PATCH_ENGINE_UNVERIFIED": "trust"}
+
+
 def wrong_norms(folder: Path) -> str:
     """The bundled qwen3 patchset, copied to a file, with its ``weight`` norms declared ``1 + weight``."""
     wrong = load_patchset("qwen3").model_dump(mode="json", exclude_none=True)

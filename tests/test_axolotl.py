@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from stack_helpers import (
+    TRUST,
     LORA_DROPOUT,
     PATCHED_MODULES,
     STEPS,
@@ -33,7 +34,7 @@ from stack_helpers import (
     wrong_norms,
 )
 
-from engine.errors import MissingDependency, ModelTypeMismatch, VerificationFailed
+from engine.errors import MissingDependency, ModelTypeMismatch, SelfVerificationFailed, VerificationFailed
 
 HAS_AXOLOTL = installed("axolotl")
 needs_axolotl = pytest.mark.skipif(
@@ -168,8 +169,13 @@ def test_a_fused_head_under_rl_is_refused_before_patching(tiny) -> None:
 
 @needs_axolotl
 @pytest.mark.slow
-def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> None:
-    """The comparison above can fail; no ``patchset_verify``: the loss of step 1 already differs."""
+def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline, monkeypatch) -> None:
+    """The comparison above can fail. No ``patchset_verify``: by default a file of the user's own is verified first
+    and refused before step 1; applied unverified (``unverified: trust``) the loss of step 1 already differs."""
+    with pytest.raises(SelfVerificationFailed, match="Qwen3RMSNorm"):
+        axolotl_train(config(tiny, tmp_path / "default", "full", steps=1, patchset=wrong_norms(tmp_path)))
+    for name, value in TRUST.items():
+        monkeypatch.setenv(name, value)
     losses, ours, console = axolotl_train(config(tiny, tmp_path, "full", steps=1, patchset=wrong_norms(tmp_path)))
     assert len(ours.report.patched) == PATCHED_MODULES
     assert_one_line(console, verified=False)  # "not verified (turn verification on ...)"

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from conftest import ROOT
 from stack_helpers import (
+    TRUST,
     LORA_DROPOUT,
     PATCHED_MODULES,
     STEPS,
@@ -34,7 +35,7 @@ from stack_helpers import (
     wrong_norms,
 )
 
-from engine.errors import ModelTypeMismatch, PatchsetError, VerificationFailed
+from engine.errors import ModelTypeMismatch, PatchsetError, SelfVerificationFailed, VerificationFailed
 
 pytest.importorskip(
     "llamafactory",
@@ -103,12 +104,19 @@ def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, finetuning
 
 
 @pytest.mark.slow
-def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> None:
+def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline, monkeypatch) -> None:
     """The comparison above can fail: the patched kernels are what LlamaFactory trains with.
 
-    The same patchset read from a file, with Qwen3's ``weight`` norms declared as ``1 + weight``:
-    the loss of the first step already differs (one step is enough to show it).
+    The same patchset read from a file, with Qwen3's ``weight`` norms declared as ``1 + weight``. By
+    default (no option set) a file of the user's own is verified first and refused before step 1;
+    applied with ``unverified: trust``, the loss of the first step already differs.
     """
+    recorder = LossRecorder()
+    with pytest.raises(SelfVerificationFailed, match="Qwen3RMSNorm"):
+        train(tiny, tmp_path, wrong_norms(tmp_path), recorder, finetuning_type="full", max_steps=1)
+    assert recorder.losses == []
+    for name, value in TRUST.items():
+        monkeypatch.setenv(name, value)
     losses, (callback,) = train(tiny, tmp_path, wrong_norms(tmp_path), finetuning_type="full", max_steps=1)
     assert len(callback.report.patched) == PATCHED_MODULES
     assert abs(losses[0] - baseline["full"][0]) > 1e-2, f"wrong norms {losses} vs unpatched {baseline['full']}"

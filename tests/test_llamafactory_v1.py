@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.errors import InvalidArgument, PatchsetError, TrainerConflict, VerificationFailed
+from engine.errors import InvalidArgument, PatchsetError, SelfVerificationFailed, TrainerConflict, VerificationFailed
 
 pytest.importorskip(
     "llamafactory.v1",
@@ -30,6 +30,7 @@ pytest.importorskip(
     "(llamafactory==0.9.5 pins transformers<=5.6.0, trl<=0.24, peft<=0.18.1)",
 )
 from stack_helpers import (
+    TRUST,
     LORA_DROPOUT,
     PATCHED_MODULES,
     STEPS,
@@ -167,9 +168,15 @@ def test_llamafactory_alone_does_not_know_the_plugin(tiny, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> None:
-    """The equality above can fail: unverified, the flipped ``scale`` trains with other losses from step 1."""
+def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline, monkeypatch) -> None:
+    """The equality above can fail: by default the flipped ``scale`` (a file of the user's own) is verified first and
+    refused before step 1; applied unverified (``unverified: trust``) it trains with other losses from step 1."""
     config = write_config(tiny, tmp_path, {"name": "patch_engine", "patchset": wrong_norms(tmp_path)}, lora=False)
+    with pytest.raises(SelfVerificationFailed, match="Qwen3RMSNorm"):
+        train(config, "max_steps=1")
+    assert not (tmp_path / "out" / "trainer_log.jsonl").exists()  # no step was logged
+    for name, value in TRUST.items():
+        monkeypatch.setenv(name, value)
     losses = train(config, "max_steps=1")  # the first step's loss already differs
     assert len(lf.last_report.patched) == PATCHED_MODULES
     assert abs(losses[0] - baseline["full"][0]) > 1e-2, f"wrong scale {losses} vs unpatched {baseline['full']}"

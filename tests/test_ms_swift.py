@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import pytest
 from stack_helpers import (
+    TRUST,
     LORA_DROPOUT,
     PATCHED_MODULES,
     STEPS,
@@ -33,7 +34,7 @@ from stack_helpers import (
     wrong_norms,
 )
 
-from engine.errors import MissingDependency, ModelTypeMismatch, PatchsetError, VerificationFailed
+from engine.errors import MissingDependency, ModelTypeMismatch, PatchsetError, SelfVerificationFailed, VerificationFailed
 from engine.integrations import ms_swift
 from engine.integrations.ms_swift import CALLBACK_NAME, Settings, plugin_path
 
@@ -175,8 +176,14 @@ def test_patched_sft_losses_equal_unpatched(tiny, tmp_path, baseline, tuner, mon
 @needs_swift
 @pytest.mark.slow
 def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline, monkeypatch) -> None:
-    """The comparison above can fail: with the norms declared ``1 + weight`` the loss of step 1 differs."""
-    run = swift_sft(tiny, tmp_path, "full", patched=True, env={"PATCH_ENGINE_PATCHSET": wrong_norms(tmp_path)},
+    """The comparison above can fail: with the norms declared ``1 + weight`` the loss of step 1 differs.
+
+    By default that file (the user's own) is verified first and refused before step 1; ``unverified: trust``
+    (``$PATCH_ENGINE_UNVERIFIED``) applies it unverified."""
+    with pytest.raises(SelfVerificationFailed, match="Qwen3RMSNorm"):
+        swift_sft(tiny, tmp_path / "default", "full", patched=True,
+                  env={"PATCH_ENGINE_PATCHSET": wrong_norms(tmp_path)}, monkeypatch=monkeypatch, steps=1)
+    run = swift_sft(tiny, tmp_path, "full", patched=True, env={"PATCH_ENGINE_PATCHSET": wrong_norms(tmp_path), **TRUST},
                     monkeypatch=monkeypatch, steps=1)  # the first step's loss already differs
     assert len(run.report.patched) == PATCHED_MODULES
     assert abs(run.losses[0] - baseline["full"][0]) > 1e-2, f"wrong norms {run.losses} vs {baseline['full']}"

@@ -25,11 +25,12 @@ from typing import Any
 
 import pytest
 
-from engine.errors import PatchsetError, TrainerConflict, VerificationFailed
+from engine.errors import PatchsetError, SelfVerificationFailed, TrainerConflict, VerificationFailed
 
 pytest.importorskip("twinkle", reason="twinkle is not installed here; .ci/twinkle runs this file in its own venv "
                     "(twinkle-kit==0.5.1 pins peft<=0.19, numpy<2.3)")
 from stack_helpers import (
+    TRUST,
     LORA_DROPOUT,
     PATCHED_MODULES,
     STEPS,
@@ -154,9 +155,15 @@ def test_a_wrong_declaration_is_refused_before_step_one(tiny, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline) -> None:
-    """The equality above can fail: unverified, the flipped ``scale`` trains with other losses from step 1."""
+def test_a_wrong_declaration_shows_in_the_losses(tiny, tmp_path, baseline, monkeypatch) -> None:
+    """The equality above can fail: by default the flipped ``scale`` (a file of the user's own) is verified first and
+    refused; applied unverified (``unverified: trust``) it trains with other losses from step 1."""
     model = build(tiny, lora=False)
+    with pytest.raises(SelfVerificationFailed, match="Qwen3RMSNorm"):
+        model.apply_patch(PatchsetPatch(wrong_norms(tmp_path)))
+    assert not engine.is_patched(model.model)
+    for name, value in TRUST.items():
+        monkeypatch.setenv(name, value)
     model.apply_patch(PatchsetPatch(wrong_norms(tmp_path)))
     losses = train(model, tiny, steps=1)  # the first step's loss already differs
     assert abs(losses[0] - baseline["full"][0]) > 1e-3 * baseline["full"][0], f"{losses} vs {baseline['full']}"
