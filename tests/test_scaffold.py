@@ -30,7 +30,8 @@ _NOT_SCAFFOLDED = {"qwen3_flce"}
 #: Written by hand (issue 12 part 2), where the scaffold does not measure what the file declares.
 _HAND_WRITTEN = {
     **dict.fromkeys(["gemma3", "internvl", "llava", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5",
-                     "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "llama4", "glm4v", "glm4v_moe", "smolvlm", "muse_glimmer"],
+                     "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "llama4", "glm4v", "glm4v_moe", "smolvlm", "muse_glimmer",
+                     "mistral3", "idefics3"],
                     "composite model: the scaffold builds and measures causal LMs, not vision towers"),
     **dict.fromkeys(["qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "mllama_text_model"],
                     "text sub-model that AutoModelForCausalLM does not map: the scaffold refuses it; the file "

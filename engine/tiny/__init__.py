@@ -385,7 +385,10 @@ def tiny_vision_inputs(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Te
         mask[..., 0] = 1
         return {"pixel_values": pixels, "aspect_ratio_ids": torch.ones(1, 1, dtype=torch.long),
                 "aspect_ratio_mask": mask}
-    return {"pixel_values": torch.randn(1, channels, size, size, generator=gen).to(dtype)}
+    pixels = torch.randn(1, channels, size, size, generator=gen).to(dtype)
+    if getattr(vision, "model_type", None) == "pixtral":  # Mistral 3: its tower reads each image's size
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[size, size]])}
+    return {"pixel_values": pixels}
 
 
 def image_features(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
