@@ -52,7 +52,7 @@ class Measured:
 
 #: This process's measurements by key: a training script that applies again (a callback's second
 #: event, each model of an ensemble) reads neither the file nor the YAML again.
-_MEMO: dict[str, Measured] = {}
+_MEMO: dict[tuple[str, str], Measured] = {}
 
 
 def measurement_material(model: nn.Module, identity: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -105,8 +105,9 @@ def measure(model: nn.Module, identity: dict[str, Any] | None = None) -> Measure
     key = f"{model_type[:40]}-{hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]}"
     key = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
     store = _store()
-    if key in _MEMO:
-        return _hit(_MEMO[key], start, str(store.path(key)))
+    memo = (str(store.folder), key)  # per cache folder: a hit names a file that is there
+    if memo in _MEMO:
+        return _hit(_MEMO[memo], start, str(store.path(key)))
     with store.lock(key):
         entry = store.read(key, material)
         if entry is not None and isinstance(entry.get("text"), str) and isinstance(entry.get("data"), dict):
@@ -115,7 +116,7 @@ def measure(model: nn.Module, identity: dict[str, Any] | None = None) -> Measure
             except PatchError:
                 found = None  # an entry this engine cannot load: measure again
             if found is not None:
-                _MEMO[key] = found
+                _MEMO[memo] = found
                 return _hit(found, start, str(store.path(key)))
         try:
             # the tiny copy's own warnings are not the user's, and the user's random state is left as it was
@@ -129,7 +130,7 @@ def measure(model: nn.Module, identity: dict[str, Any] | None = None) -> Measure
                             seconds=round(time.perf_counter() - start, 3))
         data = _data(text, model_type)
         found = _from_text(text, data)
-        _MEMO[key] = found
+        _MEMO[memo] = found
         path = store.write(key, {"material": material, "passed": True, "finding": "", "text": text, "data": data})
         return replace(found, cache_file=str(path) if path is not None else None,
                        seconds=round(time.perf_counter() - start, 3), not_patched=list(found.not_patched))

@@ -159,7 +159,7 @@ def _run(model: nn.Module, plan: Plan, fused: Any) -> MeasuredVerdict:
 
 
 #: This process's verdicts by key (what a second apply in the same process reads instead of the file).
-_MEMO: dict[str, MeasuredVerdict] = {}
+_MEMO: dict[tuple[str, str], MeasuredVerdict] = {}
 
 
 def _copy(verdict: MeasuredVerdict, **changes: Any) -> MeasuredVerdict:
@@ -181,8 +181,9 @@ def verified_subset(model: nn.Module, measured: Patchset, plan: Plan, *, fused_c
     material["measured_on"] = identity or code_identity(model)
     key = key_of(material)
     store = VerdictStore()
-    if key in _MEMO:
-        return _copy(_MEMO[key], cached=True, cache_file=str(store.path(key)))
+    memo = (str(store.folder), key)  # per cache folder: a hit names a file that is there
+    if memo in _MEMO:
+        return _copy(_MEMO[memo], cached=True, cache_file=str(store.path(key)))
     fields = ("passed", "checks", "seconds", "model", "device", "dtype", "mode", "verified_at")
     with store.lock(key):
         entry = store.read(key, material)
@@ -195,13 +196,13 @@ def verified_subset(model: nn.Module, measured: Patchset, plan: Plan, *, fused_c
                 done = None
             if done is not None:
                 done.cached, done.cache_file = True, str(store.path(key))
-                _MEMO[key] = done
+                _MEMO[memo] = done
                 return _copy(done)
         verdict = _run(model, plan, fused_cross_entropy)
         verdict.device = kind
         if verdict.problem:
             return verdict
-        _MEMO[key] = _copy(verdict)
+        _MEMO[memo] = _copy(verdict)
         data = {k: getattr(verdict, k) for k in fields}
         data["failed"] = {str(k): v for k, v in verdict.failed.items()}
         path = store.write(key, {"material": material, "passed": not verdict.failed,
