@@ -128,12 +128,13 @@ def not_known_verified(plan: Plan) -> tuple[str | None, str]:
 
 def verification_path(model: nn.Module, plan: Plan, policy: Policy) -> VerificationPath:
     """What applying ``plan`` to ``model`` does about verification under ``policy``; changes nothing."""
-    source, model_type = verify_command(plan.patchset), plan.model_type
+    model_type = plan.model_type
     if not plan.patched:
         return VerificationPath("nothing", model_type=model_type)
     why, detail = not_known_verified(plan)
-    if why is None:
-        return VerificationPath("bundled", detail=detail, source=source, model_type=model_type)
+    if why is None:  # the common path costs a hash of the content and a dict lookup, nothing more
+        return VerificationPath("bundled", detail=detail, model_type=model_type)
+    source = verify_command(plan.patchset)
     if policy == "trust":
         return VerificationPath("trust", why, source=source, model_type=model_type)
     from engine.releases.cache import VerdictStore
