@@ -81,6 +81,23 @@ def test_the_readmes_commands_with_the_newest_releases_patch_verify_and_print_nu
     assert "numbers match" in shown and "logits max |diff|" in shown  # and printed the numbers
 
 
+def test_the_readmes_first_example_runs_offline(capsys) -> None:
+    """The first Python a reader meets runs as shown, on any machine, with no download: a tiny model the package
+    builds, patched, a training step, reverted. (The real checkpoint comes second.)"""
+    import engine
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    first = re.search(r"```python\n(.*?)```", text, re.DOTALL)
+    assert first, "README.md shows no Python example"
+    code = first.group(1)
+    assert "from_pretrained" not in code and "cuda" not in code, "the first example needs the Hub or a GPU"
+    namespace: dict = {}
+    exec(compile(code, "README.md's first example", "exec"), namespace)  # noqa: S102 - the README's own code
+    model = namespace["model"]
+    assert re.search(r"qwen3 \(cpu, \w+\): 12 patched", capsys.readouterr().out)
+    assert not engine.is_patched(model) and all(p.grad is not None for p in model.parameters())
+
+
 def test_ci_runs_the_readmes_own_path() -> None:
     """.ci/readme-path takes its commands from README.md (this module), so the README and CI cannot drift apart."""
     script = (ROOT / ".ci" / "readme-path").read_text(encoding="utf-8")
