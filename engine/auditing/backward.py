@@ -6,15 +6,14 @@ overwrote the gradient it was given), and the whole-model gradient check says on
 gradient differs. Here the patched module and the original one each run forward and backward on
 the original's recorded inputs with the same cotangent; the gradients of every floating input and
 every parameter they share are judged as ``verify`` judges a kernel (bit-equal, or within ``k``
-times the original's own error against its fp64 truth: the original module in fp64 on the same
-inputs). The original runs with the process as it was before the patch
+times the original's own error against its fp64 truth: the original module under the verifier's fp64
+mode on the same inputs, which also lifts the module's own casts to fp32). The original runs with the process as it was before the patch
 (:meth:`engine.auditing.process_state.ProcessState.suspended`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import nn
 
 from engine.verification.compare import cast_floats, clone_tensors, judge, max_abs_diff, move_tensors, tensors_of
 from engine.verification.random_state import same_draws
+from engine.verification.truth import GradientSink, fp64_truth
 
 __all__ = ["BackwardResult", "judge_backward"]
 
@@ -44,12 +44,10 @@ class BackwardResult:
         return f"forward {forward}, backward differs: {shown}{more} the original's own error"
 
 
-def _gradients(module: nn.Module, args: Any, kwargs: Any, cotangents: list[torch.Tensor] | None,
-               dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor | None], list[torch.Tensor]]:
-    """Forward and backward of ``module`` on copies of the inputs: gradients by name, and the outputs' shapes."""
+def _gradients(module: nn.Module, args: Any, kwargs: Any,
+               cotangents: list[torch.Tensor] | None) -> tuple[dict[str, torch.Tensor | None], list[torch.Tensor]]:
+    """Forward and backward of ``module`` on copies of the inputs: gradients by name, and the cotangents used."""
     a, k = clone_tensors(args), clone_tensors(kwargs)
-    if dtype is not None:
-        a, k = cast_floats(a, dtype), cast_floats(k, dtype)
     inputs = [t for t in tensors_of((a, k)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     for t in inputs:
         t.requires_grad_(True)
@@ -69,6 +67,28 @@ def _gradients(module: nn.Module, args: Any, kwargs: Any, cotangents: list[torch
     return {n: (g.detach() if g is not None else None) for n, g in zip(names, grads, strict=True)}, cotangents
 
 
+def _truth(original: nn.Module, args: Any, kwargs: Any, cotangents: list[torch.Tensor]) -> dict[str, Any]:
+    """The original's gradients in fp64: the verifier's fp64 mode (a module's own casts to fp32 included, which
+    a float64 copy of the module would still make), inputs as fp64 leaves, parameters' fp64 gradients by the sink."""
+    exact: dict[str, torch.Tensor] = {}
+    sink = GradientSink(lambda name, g: exact.__setitem__(name, g.detach().double().clone()))
+    a, k = cast_floats(clone_tensors(args), torch.float64), cast_floats(clone_tensors(kwargs), torch.float64)
+    inputs = [t for t in tensors_of((a, k)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for t in inputs:
+        t.requires_grad_(True)
+    params = {n: p for n, p in original.named_parameters() if p.requires_grad}
+    with torch.enable_grad(), fp64_truth(original, sink), same_draws(original):
+        out = original(*a, **k)
+    outs = [o for o in tensors_of(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = torch.autograd.grad(outs, inputs + list(params.values()),
+                                [c.to(o.dtype).to(o.device) for c, o in zip(cotangents, outs, strict=False)],
+                                allow_unused=True)
+    found: dict[str, Any] = {f"input{i}": g for i, g in enumerate(grads[:len(inputs)])}
+    for (name, _), g in zip(params.items(), grads[len(inputs):], strict=True):
+        found[name] = exact.get(name, g)
+    return found
+
+
 def judge_backward(patched: nn.Module, original: nn.Module, rec: Any, device: torch.device,
                    original_process: Callable[[], contextlib.AbstractContextManager[Any]]) -> BackwardResult:
     """The patched module's gradients against the original's (and its fp64 truth) on the recorded inputs."""
@@ -77,7 +97,7 @@ def judge_backward(patched: nn.Module, original: nn.Module, rec: Any, device: to
     try:
         with original_process():
             want, cot = _gradients(original, args, kwargs, None)
-            truth, _ = _gradients(copy.deepcopy(original).double(), args, kwargs, cot, torch.float64)
+            truth = _truth(original, args, kwargs, cot)
     except Exception as exc:  # noqa: BLE001  (an original without a backward here: nothing to compare with)
         result.problem = f"the original's backward raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         return result
