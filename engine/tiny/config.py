@@ -46,7 +46,7 @@ SIZE_RULES: tuple[tuple[str, Any], ...] = (
     (r"^(n_routed_experts|num_local_experts|num_experts|moe_num_experts|n_experts)$", 4),
     (r"^(num_experts_per_tok|moe_k|moe_topk|top_k|num_experts_per_token)$", 2),
     (r"^(n_shared_experts|num_shared_experts|moe_num_shared_experts)$", 1),
-    (r"^(n_group|topk_group)$", 1),
+    (r"^(n_group|topk_group|num_expert_group)$", 1),
     (r"intermediate_size", 32),                           # moe_/shared_expert_/... intermediate sizes
     (r"^(ffn_dim|ffn_hidden_size|n_inner|d_ff|decoder_ffn_dim|encoder_ffn_dim)$", 128),  # MLP widths by other names
     (r"^word_embed_proj_dim$", BASE_KWARGS["hidden_size"]),
@@ -114,7 +114,10 @@ def derive_tiny_config(model_type: str) -> dict[str, Any]:
             f"unknown model type {model_type!r} (not a transformers config model_type){hint}"
         )
     config_class = CONFIG_MAPPING[model_type]
-    defaults = config_class()
+    try:
+        defaults = config_class()
+    except Exception:  # noqa: BLE001  (a default that does not validate: types.yaml's keys make it, gemma4_assistant)
+        defaults = config_class(**type_overrides(model_type))
     overrides = tiny_overrides(defaults.to_dict(), special_ids_at_top=bool(_sub_config_names(config_class)))
     for name in _sub_config_names(config_class):
         sub = getattr(defaults, name, None)
@@ -190,6 +193,24 @@ def _size_rule(key: str) -> int | None:
     return next((new for pattern, new in SIZE_RULES if re.search(pattern, key) and isinstance(new, int)), None)
 
 
+def _tiny_per_layer_config(per_layer: Any, layers: int) -> dict[str, Any] | None:
+    """A ``per_layer_config`` (layer index -> keys that differ there) for the tiny layer count, else None.
+
+    Why: Gemma 4 (global layers' head_dim) and dots3 (MLA sizes) override some layers by index;
+    indices past the tiny model's layers are refused. The first overridden layer's keys go to the
+    last tiny layer, their sizes shrunk as the rules say, so one layer still differs from the others.
+    """
+    if not isinstance(per_layer, dict) or not per_layer:
+        return None
+    first = min(per_layer, key=lambda k: int(k))
+    values = dict(per_layer[first] or {})
+    small = {k: BASE_KWARGS.get(k, _size_rule(k) or v) if isinstance(v, int) and not isinstance(v, bool) else v
+             for k, v in values.items()}
+    if values.get("num_key_value_heads") == values.get("num_attention_heads") and "num_key_value_heads" in values:
+        small["num_key_value_heads"] = small.get("num_attention_heads", BASE_KWARGS["num_attention_heads"])
+    return {str(layers - 1).zfill(len(str(first))): small}
+
+
 def _per_layer_lists(defaults: dict[str, Any]) -> dict[str, list[Any]]:
     """List keys that hold one value per layer: ``layer_types`` and the like, and any list as long as the layer count."""
     count = defaults.get("num_hidden_layers")
@@ -238,6 +259,11 @@ def tiny_overrides(defaults: dict[str, Any], *, special_ids_at_top: bool = False
     per_layer = _per_layer_lists(defaults)
     kinds_of = {k: _distinct(v) for k, v in per_layer.items() if all(isinstance(x, str) for x in v)}
     layers = max([layers, *(len(kinds) for kinds in kinds_of.values())])
+    if layers != BASE_KWARGS["num_hidden_layers"]:  # one layer of each kind
+        overrides["num_hidden_layers"] = layers
+    per_layer_config = _tiny_per_layer_config(defaults.get("per_layer_config"), layers)
+    if per_layer_config is not None:
+        overrides["per_layer_config"] = per_layer_config
     for key, values in per_layer.items():
         if key in kinds_of:  # one kind per layer: each distinct kind kept, the default's order (sliding before full)
             kinds = kinds_of[key]
@@ -269,4 +295,8 @@ def tiny_overrides(defaults: dict[str, Any], *, special_ids_at_top: bool = False
                     if target != value:
                         overrides[key] = target
                     break
+    if isinstance(defaults.get("qk_head_dim"), int) and "qk_head_dim" in overrides:  # MLA: query head = nope + rope parts
+        parts = [overrides.get(k, defaults.get(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim")]
+        if all(isinstance(p, int) for p in parts):
+            overrides["qk_head_dim"] = sum(parts)
     return overrides
