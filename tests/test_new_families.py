@@ -145,3 +145,18 @@ def test_cuda_plan_passes_liger_over_for_a_per_head_weight() -> None:
     without = engine.plan(tiny_for("cohere", use_qk_norm=False), "cohere", device="cuda")
     norms = [d for d in without.decisions if d.op == "layer_norm"]
     assert norms and {d.kernel for d in norms} == {"liger"}
+
+
+@DTYPES
+def test_npu_rotary_mul_runs_cohere_rope_in_interleave_mode(torch_npu, dtype: torch.dtype) -> None:
+    """npu_rotary_mul's interleave mode takes cos/sin repeated per pair: Cohere's arrive so, passed as they are."""
+    from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb
+
+    q, k, cos, sin = _qk_cos_sin(dtype, repeated=True)
+    patch = RopePatch(op="rope", layout=RopeLayout.interleaved_repeated, upcast=True)
+    got = registry.get("npu", "rope").build(patch)(q, k, cos, sin)
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch_npu.calls == ["npu_rotary_mul", "npu_rotary_mul"]
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
