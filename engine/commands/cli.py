@@ -224,7 +224,10 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
 
         measure_types(types_to_measure(args.model_types or None), args.measured, again=args.remeasure,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
-    rows = coverage_rows(args.model_types or None, verify=not args.no_verify, measured=load_measured(args.measured))
+    rows = coverage_rows(args.model_types or None, verify=not args.no_verify)
+    measured = load_measured(args.measured)  # read after the bundled ones are verified: a sweep beside it may add to it
+    for row in rows:
+        row.measured = None if row.patchsets else measured.get(row.model_type)
     text = render_markdown(rows)
     if args.out:
         from pathlib import Path
