@@ -86,6 +86,16 @@ def test_measured_declarations_patch_families_without_a_hand_written_map(model_t
         assert any(line.startswith("Qwen3MoeMLP: swiglu") and "planned no module" in line for line in zc.not_patched)
 
 
+def test_a_composite_model_is_measured_on_a_tiny_copy_of_its_own_sub_configs() -> None:
+    """LLaVA: text and vision sub-configs shrunk by their own sizes; its language model's declarations measured."""
+    from engine.tiny import build_tiny_for
+
+    model = build_tiny_for(engine.load_patchset("llava"))
+    report = _zero_config(model, "measure")
+    ops = {line.split(": ")[1].split(" ")[0] for line in report.zero_config.patched}
+    assert {"rms_norm", "swiglu"} <= ops, report.zero_config.patched
+
+
 def test_the_second_apply_reads_the_measurement_and_the_verdict_from_the_cache() -> None:
     model = build_tiny_model("olmo")
     first = _zero_config(model, "measure")
