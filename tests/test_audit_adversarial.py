@@ -199,3 +199,25 @@ def test_an_activation_map_entry_is_seen_and_put_back(qwen3) -> None:
     assert dict.get(activations.ACT2FN, "silu") is before
     assert any(r.change == "registry entry" and "ACT2FN" in r.path for r in report.rows)
     assert report.model_identical  # built before the patch: this model's activations are its own modules
+
+
+def liger_norms(model: nn.Module) -> None:
+    """A user's own patch calling Liger's Triton op directly (no named stack): Qwen3's norms through LigerRMSNormFunction."""
+    import types
+
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        return LigerRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", False)
+
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3RMSNorm":
+            m.forward = types.MethodType(forward, m)
+
+
+def test_a_users_own_patch_calling_triton_is_judged_under_the_interpreter_not_unchecked(qwen3) -> None:
+    pytest.importorskip("liger_kernel")
+    report = audit(qwen3, liger_norms)
+    norms = [r for r in report.rows if r.cls == "Qwen3RMSNorm"]
+    assert norms and not any(r.result == "unchecked" for r in norms), report.summary()
+    assert report.verdict == "passes", report.summary()
