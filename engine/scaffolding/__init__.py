@@ -122,6 +122,8 @@ def scaffold(
     return Scaffold(
         model_type=model_type, model_class=type(model).__name__, tiny_config=tiny, findings=findings,
         source=source, foreign=foreign, tiny_type=tiny_type if tiny_type != model_type else None, note=note,
+        # the type the built model's config says (gpt-sw3 builds GPT-2 classes with a gpt2 config): the planner checks it
+        also_types=[t for t in [str(model.config.model_type)] if t not in (model_type, tiny_type)],
     )
 
 

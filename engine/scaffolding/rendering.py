@@ -161,6 +161,8 @@ class Scaffold:
     tiny_type: str | None = None
     #: Why that model stands in (written into the header).
     note: str = ""
+    #: Model types the measured model's config reports besides those (written into ``model_types``).
+    also_types: list[str] = field(default_factory=list)
 
     @property
     def patches(self) -> list[Any]:
@@ -189,7 +191,7 @@ def render(result: Scaffold) -> str:
         "# yaml-language-server: $schema=../schemas/patchset.schema.json",
         f"name: {_name(result.model_type)}",
         f"description: Scaffolded from a tiny {result.model_class}; see the comments for what was measured.",
-        f"model_types: [{', '.join(_scalar(t) for t in dict.fromkeys([result.model_type, result.tiny_type or result.model_type]))}]",
+        f"model_types: [{', '.join(_scalar(t) for t in dict.fromkeys([result.model_type, result.tiny_type or result.model_type, *result.also_types]))}]",
         f'requires: {{transformers: ">={major}.{minor},<{major}.{minor + 1}"}}',
         "on_unsupported: error",
     ]
