@@ -11,6 +11,7 @@ row says so.
 
     nice -n 10 python benchmarks/tiny_every_type.py --out benchmarks/results/tiny_every_type.json
     python benchmarks/tiny_every_type.py llama mistral3 gemma3n     # a few types, printed
+    python benchmarks/tiny_every_type.py --out FILE --update TYPES  # rerun those types in FILE
 
 The suite builds a sample (tests/test_tiny_every_type.py); this is the full sweep, its
 results committed. One process for all types: a type that fails does not stop the sweep.
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("types", nargs="*", help="model types (default: every generative type)")
     parser.add_argument("--out", type=Path, help="write the results JSON here")
+    parser.add_argument("--update", action="store_true", help="with --out and TYPES: rerun those, keep the other rows")
     parser.add_argument("--memory-gb", type=float, default=8.0,
                         help="address-space limit of this process (a type the rules miss fails, not the machine)")
     args = parser.parse_args(argv)
@@ -79,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
     types = args.types or generative_types()
     rows: dict[str, dict[str, Any]] = {}
+    if args.update and args.out and args.out.is_file():  # rerun some types, keep the others' rows
+        rows = dict(json.loads(args.out.read_text(encoding="utf-8"))["types"])
     for model_type in types:
         rows[model_type] = build_one(model_type)
         r = rows[model_type]
         print(f"{model_type:32s} {'runs' if r['runs'] else 'built' if r['built'] else 'FAILS':6s} "
               f"{r['seconds']:7.2f}s {r.get('reason', '')[:160]}", flush=True)
+    rows = dict(sorted(rows.items()))
     runs = sum(r["runs"] for r in rows.values())
     summary = {"transformers": transformers.__version__, "torch": torch.__version__, "types": len(rows),
                "built": sum(r["built"] for r in rows.values()), "runs": runs,

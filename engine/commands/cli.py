@@ -224,7 +224,16 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
 
         measure_types(types_to_measure(args.model_types or None), args.measured, again=args.remeasure,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
-    rows = coverage_rows(args.model_types or None, verify=not args.no_verify)
+    if args.bundled_from:  # the bundled rows as a page already verified them; the measured column read again
+        from pathlib import Path as _Path
+
+        from engine.commands.coverage import CoverageRow, bundled_by_type, default_types, rows_from_page
+
+        bundled = {r.model_type: r for r in rows_from_page(_Path(args.bundled_from).read_text(encoding="utf-8"))}
+        by_type = bundled_by_type()  # a patchset bundled since the page was written: a row, not verified here
+        rows = [bundled.get(t) or CoverageRow(t, by_type.get(t, [])) for t in sorted(args.model_types or default_types())]
+    else:
+        rows = coverage_rows(args.model_types or None, verify=not args.no_verify)
     measured = load_measured(args.measured)  # read after the bundled ones are verified: a sweep beside it may add to it
     for row in rows:
         row.measured = None if row.patchsets else measured.get(row.model_type)
@@ -332,6 +341,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remeasure", action="store_true", help="with --measure: measure those already in --measured too")
     p.add_argument("--measured", default="benchmarks/results/coverage_measured.json",
                    help="the measured column's data (read, and written by --measure)")
+    p.add_argument("--bundled-from", metavar="PAGE",
+                   help="take the bundled rows from a page this command wrote (no verification), the measured ones anew")
     _release_argument(p)
     p.set_defaults(func=_cmd_coverage)
 

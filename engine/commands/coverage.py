@@ -10,6 +10,11 @@ parameters; the patchset column names them.
 
 ``patch-engine coverage --out docs/coverage.md`` writes the table; verifying every bundled
 patchset takes a minute or two on 2 CPU cores, so the full sweep is a command, not a test.
+
+The rows are every causal-LM and image-text-to-text type of the installed transformers (and every
+bundled type). A type with no bundled patchset gets the measured column
+(:mod:`engine.commands.coverage_measured`): what zero configuration patches on it, verified, or why
+nothing is; ``--measure`` runs that sweep (resumable, its data committed under benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from torch import nn
 from engine.schema import Patchset
 
 __all__ = [
-    "LIGER_MODEL_TYPES", "CoverageRow", "coverage_rows", "parameter_share", "render_markdown", "tiny_model_type",
-    "verify_patchset",
+    "LIGER_MODEL_TYPES", "CoverageRow", "bundled_by_type", "coverage_rows", "parameter_share", "render_markdown", "rows_from_page",
+    "tiny_model_type", "verify_patchset",
 ]
 
 #: The keys of Liger-Kernel 0.8.5's ``MODEL_TYPE_TO_APPLY_LIGER_FN`` (liger_kernel/transformers/
@@ -74,7 +79,7 @@ def _generative(types: tuple[str, ...]) -> frozenset[str]:
     return frozenset(types)
 
 
-def _bundled_by_type() -> dict[str, list[str]]:
+def bundled_by_type() -> dict[str, list[str]]:
     from engine.loader import bundled_names, load_patchset
 
     by_type: dict[str, list[str]] = {}
@@ -188,14 +193,14 @@ def default_types(patchsets: dict[str, list[str]] | None = None) -> list[str]:
     """Every generative type of the installed transformers (causal LM, image-text-to-text), and every bundled type."""
     from engine.tiny.config import generative_types
 
-    return sorted(set(generative_types()) | set(_bundled_by_type() if patchsets is None else patchsets))
+    return sorted(set(generative_types()) | set(bundled_by_type() if patchsets is None else patchsets))
 
 
 def types_to_measure(model_types: Iterable[str] | None = None) -> list[str]:
     """The generative types among ``model_types`` with no bundled patchset: the measured column's."""
     from engine.tiny.config import generative_types
 
-    bundled, generative = _bundled_by_type(), set(generative_types())
+    bundled, generative = bundled_by_type(), set(generative_types())
     return [t for t in (model_types or default_types()) if t in generative and t not in bundled]
 
 
@@ -209,7 +214,7 @@ def coverage_rows(
     A patchset that fails to build, plan or verify is a row saying why; the sweep goes on.
     ``measured``: the measured column's entries by type (:mod:`engine.commands.coverage_measured`).
     """
-    by_type = _bundled_by_type() if patchsets is None else patchsets
+    by_type = bundled_by_type() if patchsets is None else patchsets
     verified: dict[str, tuple[bool, str]] = {}
     rows = []
     for model_type in sorted(model_types or default_types(patchsets)):
@@ -254,6 +259,25 @@ def _measure_share(row: CoverageRow, model_type: str, primary: str) -> None:
         add(f"share on the tiny model: the default config does not build ({type(default_error).__name__})")
     except Exception as exc:  # noqa: BLE001  (it does not plan or build here: no share, and why)
         add(f"no share: {_reason(exc)}")
+
+
+def rows_from_page(text: str) -> list[CoverageRow]:
+    """The bundled rows of a page :func:`render_markdown` wrote (verdict, share, ops, note), read back.
+
+    Why: verifying every bundled patchset is the slow part of the page; the measured column's sweep
+    runs beside it and may finish later, so the page is rendered again from the bundled rows as they
+    were verified (``patch-engine coverage --bundled-from docs/coverage.md``), not verified twice.
+    """
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 7 or cells[1] in ("-", "measured", "patchset") or set(cells[0]) <= {"-"}:
+            continue
+        share = float(cells[3].rstrip("%")) / 100 if cells[3].endswith("%") else None
+        verified = {"yes": True, "**no**": False}.get(cells[2])
+        rows.append(CoverageRow(cells[0], [p.strip() for p in cells[1].split(",")], verified, share,
+                                "" if cells[4] == "-" else cells[4], note=cells[6]))
+    return rows
 
 
 def _percent(share: float | None) -> str:
