@@ -59,7 +59,8 @@ def test_a_once_rounding_kernel_passes_within_the_original_error(swiglu_kernels)
 
 def test_a_wrong_kernel_still_fails_in_bf16(swiglu_kernels) -> None:
     model = tiny_for("qwen3", dtype=torch.bfloat16)
-    engine.apply(model, _with_swiglu_kernel("off3pct"), device="cpu")
+    # wrong on purpose (by default apply verifies it first and refuses it): the verifier's report is what is read
+    engine.apply(model, _with_swiglu_kernel("off3pct"), device="cpu", unverified="trust")
     report = engine.verify(model, raise_on_failure=False)
     failed = {(c.path, c.what) for c in report.failures}
     assert ("model.layers.0.mlp", "kernel") in failed  # the module check is what catches a 3% kernel here

@@ -137,7 +137,10 @@ def _tiny_device(model: nn.Module, plan: Plan) -> torch.device:
     for p in model.parameters():
         if p.device.type == plan.device.value:
             return p.device
-    return torch.device(plan.device.value)
+    # none there (a model whose tensors stay on the CPU for a device whose kernels take them: an emulator) or
+    # offloaded to meta: where its real parameters are, else the plan's device
+    real = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    return real if real is not None else torch.device(plan.device.value)
 
 
 def _not_installed(plan: Plan, installed: set[int], tiny_plan: Any, label: str) -> str:
