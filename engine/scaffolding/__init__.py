@@ -202,7 +202,7 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
                 finding.measurements.extend(applicable)
             else:
                 finding.refused.append((op.name, min((m.problem or "output shape or dtype differs" for m in mine), key=len)))
-        if finding.measurements and not finding.exact and called and originals.is_random(*called[0]):
+        if finding.measurements and not finding.exact and called and _is_random(originals, *called[0]):
             finding.note = "its own forward is random in training mode (dropout?), so no declaration can match"
         kind = module_kind(cls.__name__)
         if kind == "norm" and not finding.measurements and not finding.refused:
@@ -211,6 +211,14 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
         # worth a line only for what looks like a norm, MLP, experts, rope or LM head
         if finding.measurements or finding.opt_in or kind is not None:
             yield finding
+
+
+def _is_random(originals: _Originals, path: str, module: nn.Module) -> bool:
+    """:meth:`_Originals.is_random`, False where the forward cannot be rerun on its captured inputs alone."""
+    try:
+        return originals.is_random(path, module)
+    except Exception:  # noqa: BLE001  (Inkling 2's softcapped SwiGLU: no rerun, no randomness to report)
+        return False
 
 
 def _no_norm_candidates(module: nn.Module) -> str:
@@ -230,7 +238,7 @@ def _check_opt_in(op: ModuleOp, candidates: list[Any], members: list[tuple[str, 
         try:
             for _, module in members:
                 op.check_target(module, patch)
-        except PatchError as exc:
+        except Exception as exc:  # noqa: BLE001  (PatchError: refused; anything else: its check cannot run here)
             finding.refused.append((op.name, str(exc)))
         else:
             finding.opt_in.append(op.name)
@@ -247,6 +255,9 @@ def _measure_module(
             op.check_target(module, patch)
     except PatchError as exc:
         result.problem = str(exc)
+        return result
+    except Exception as exc:  # noqa: BLE001  (a check that cannot even run on this module: no match, the sweep goes on)
+        result.problem = f"{op.name}'s check raised {type(exc).__name__}: {exc}"
         return result
     if not called:
         result.problem = "never called in the probe forward"
