@@ -272,7 +272,8 @@ def test_a_users_own_classes_are_measured_and_every_norm_is_reported(tmp_path: P
     here = __name__
     assert f"# OnePlusRMSNorm (2 modules, from {here}): fp32 exact, bf16 exact" in text
     assert "target: OnePlusRMSNorm\n    op: rms_norm\n    scale: one_plus_weight\n    eps_attr: eps\n    cast: fp32" in text
-    assert f"# not patched: LiteralEpsNorm (2 modules, from {here}): no norm declaration can be tried" in text
+    # its eps is a literal in forward: reported, never declared (layer_norm's literal-eps candidates miss it too)
+    assert f"# not patched: LiteralEpsNorm (2 modules, from {here}): " in text and "target: LiteralEpsNorm" not in text
     assert f"# not patched: MeanAbsNorm (1 module, from {here}): closest is rms_norm" in text
     # transformers' own classes beside them are still found
     assert "target: LlamaMLP" in text and "function: apply_rotary_pos_emb" in text
@@ -282,7 +283,7 @@ def test_a_users_own_classes_are_measured_and_every_norm_is_reported(tmp_path: P
     path.write_text(text)
     reference = copy.deepcopy(model)
     ids = _ids()
-    engine.apply(model, str(path))
+    engine.apply(model, str(path), verify=True)  # as the file's header says: no tiny_model, verified on the model itself
     try:
         assert engine.verify(model).passed
         _assert_same_numbers(_numbers(model, ids), _numbers(reference, ids))
