@@ -84,7 +84,8 @@ def test_fullgraph_route_reaches_the_patched_models_kernel_only() -> None:
     base = tiny_for("qwen3", num_hidden_layers=1).eval()
     model, other = copy.deepcopy(base), copy.deepcopy(base)
     ids = _ids()
-    with extra_kernel("skewed", "rope", skewed_rope), patched(model, patchset=qwen3_patchset(rope="skewed")):
+    with extra_kernel("skewed", "rope", skewed_rope), \
+            patched(model, patchset=qwen3_patchset(rope="skewed"), unverified="trust"):
         model.eval()
         eager_logits = model(input_ids=ids).logits
         compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
@@ -207,7 +208,7 @@ def test_compile_unsafe_function_kernel_runs_in_its_eager_caller_and_blocks_full
     ids = _ids()
     assert type(model)._can_compile_fullgraph
     with extra_kernel("eager_rope", "rope", _counting_rope(calls), compile_safe=False), \
-            patched(model, patchset=qwen3_patchset(rope="eager_rope")) as (report,):
+            patched(model, patchset=qwen3_patchset(rope="eager_rope"), unverified="trust") as (report,):
         model.eval()
         assert model._can_compile_fullgraph is False
         assert "eager_rope" in report.fullgraph_blocker and "_can_compile_fullgraph" in str(report)

@@ -48,16 +48,18 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @contextmanager
-def patched(*models: torch.nn.Module, patchset: Any) -> Iterator[list[Any]]:
+def patched(*models: torch.nn.Module, patchset: Any, **options: Any) -> Iterator[list[Any]]:
     """Apply ``patchset`` to each model for a block and revert even on failure.
 
     Why: a model left patched keeps the process-wide rope router installed, which other
-    test modules rightly assert is gone after their own reverts.
+    test modules rightly assert is gone after their own reverts. ``options`` go to
+    :func:`engine.apply` (``unverified="trust"`` for a kernel that is wrong on purpose: by
+    default content of the test's own is verified first and such a kernel refused).
     """
     import engine
 
     try:
-        yield [engine.apply(m, patchset, device="cpu", mode="training") for m in models]
+        yield [engine.apply(m, patchset, device="cpu", mode="training", **options) for m in models]
     finally:
         for m in models:
             engine.revert(m)
