@@ -105,12 +105,17 @@ class Report:
                 kernels[(d.op, d.kernel or "-")] = kernels.get((d.op, d.kernel or "-"), 0) + 1
         used = ", ".join(f"{op}: {kernel} x{n}" for (op, kernel), n in kernels.items()) or "none"
         verification = self.verification
-        if verification is None:
+        release = f"; {_release_line(self.release)}" if self.release is not None else ""
+        first = self.release if getattr(self.release, "passed", None) is True else None  # the gate's own verification
+        if verification is None and first is not None:
+            when = f"verdict read from {first.cache_file}" if first.cached else f"{first.seconds} s; {first.where()}"
+            verified = f"verified first on a {first.model}: passed ({first.checks} checks, {when})"
+            release = f"; why: {first.subject()}"
+        elif verification is None:
             verified = "not verified (turn verification on to check the numbers before training)"
         else:
             verdict = "passed" if verification.passed else f"FAILED ({len(verification.failures)} checks)"
             verified = f"verification {verdict} ({len(verification.checks)} checks, {verification.seconds} s)"
-        release = f"; {_release_line(self.release)}" if self.release is not None else ""
         if self.zero_config is not None:
             release += f"; {self.zero_config.summary()}"
         return (f"patch-engine: patchset {self.patchset!r} on {self.model_type} ({self.device}, {self.mode}): "
