@@ -32,7 +32,10 @@ def _composite_names() -> list[str]:
 COMPOSITES = _composite_names()
 #: Composite patchsets whose vision tower is not probed with pixels here, and why.
 NO_PIXEL_PROBE = {"gemma4": "its tower takes patches with 2-D position ids; no vision patch is declared",
-                  "muse_glimmer": "its tower takes temporal patches the probe does not build; no vision patch is declared"}
+                  "muse_glimmer": "its tower takes temporal patches the probe does not build; no vision patch is declared",
+                  "llava_next": "any-resolution 5-D pixels with image_sizes, which the probe does not build; text only",
+                  "llava_onevision": "any-resolution 5-D pixels with image_sizes, which the probe does not build; text only",
+                  "lfm2_vl": "SigLIP2 NaFlex patches with their masks, which the probe does not build; text only"}
 
 
 def test_composites_are_bundled() -> None:
