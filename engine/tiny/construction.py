@@ -12,6 +12,7 @@ and deepseek_v4 under 5.15.1, tests/hf_suite/).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,16 +25,27 @@ __all__ = ["callers_random_state", "own_construction"]
 def own_construction(device: torch.device | str = "cpu") -> Iterator[None]:
     """New tensors on ``device``, fp32 by default, whatever device or default dtype the caller set.
 
+    And not partitioned: while a ZeRO-3 ``HfDeepSpeedConfig`` is alive, transformers builds every model
+    inside ``deepspeed.zero.Init`` (parameters scattered over the ranks, gathered by collectives), so a
+    tiny model that one rank builds for its self-verification, while the others wait on the verdict's
+    lock, would block on (or break) a collective. The config is hidden for the block.
+
     The innermost ``torch.device`` context decides where factory functions put tensors, so this one
     wins over an enclosing ``torch.device("meta")``; the default dtype is restored on the way out.
     """
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
+    zero3 = sys.modules.get("transformers.integrations.deepspeed")
+    ds_config = getattr(zero3, "_hf_deepspeed_config_weak_ref", None)
+    if ds_config is not None:  # a ZeRO-3 HfDeepSpeedConfig alive: transformers would build the tiny model in zero.Init
+        zero3._hf_deepspeed_config_weak_ref = None
     try:
         with torch.device(device):
             yield
     finally:
         torch.set_default_dtype(default)
+        if ds_config is not None:
+            zero3._hf_deepspeed_config_weak_ref = ds_config
 
 
 @contextmanager
