@@ -36,6 +36,7 @@ def _batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor], **extra):
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # both models from one random state: PhiMoE's router samples its experts in training
     out = model(**batch, **extra)
     out.loss.backward()
     return out, {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}

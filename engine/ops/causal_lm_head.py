@@ -133,6 +133,22 @@ def _logit_divisor(node: ast.stmt) -> tuple[str, ...] | None:
     return _self_path(value.right)
 
 
+def _hidden_divisor(node: ast.stmt) -> tuple[str, ...] | None:
+    """The path of ``self.<...>`` in ``hidden_states = hidden_states / self.<...>`` (MiniCPM3, before its head), else None.
+
+    Dividing the head's input by a scalar divides its logits by it (the fused head takes a head without bias,
+    :func:`head_weight`), so it is the same contract as Granite's division of the logits.
+    """
+    if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == "hidden_states"):
+        return None
+    value = node.value
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Div)
+            and isinstance(value.left, ast.Name) and value.left.id == "hidden_states"):
+        return None
+    return _self_path(value.right)
+
+
 def _aux_coef(node: ast.AugAssign) -> tuple[str, ...] | None:
     """The path of ``self.<...>`` in ``loss += self.<...> * aux_loss...``, else None."""
     value = node.value
@@ -199,6 +215,9 @@ def read_head_contract(cls: type, lm_head: str = "lm_head") -> HeadContract:
             names = _assigned_names(stmt)
             if _calls_self_attr(stmt, lm_head):
                 head_calls += 1
+                continue
+            if head_calls == 0 and not in_softcap and divisor is None and (found := _hidden_divisor(stmt)) is not None:
+                divisor = found
                 continue
             if "logits" in names and not in_softcap and head_calls == 1 and softcap is None and divisor is None:
                 divisor = _logit_divisor(stmt)
