@@ -46,9 +46,12 @@ def test_checkpointed_patched_model_has_the_same_gradients(order: str, kernel: s
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     unpatched = _grads(copy.deepcopy(base), ids)
     ps = qwen3_patchset(rope=f"ckpt_{kernel}")
+    # applied unverified: the skewed kernel is wrong on purpose (verified first, the default, it would be refused),
+    # and the calls counted here are the model's own, not those of a verification on a tiny model before it
+    trust = {"unverified": "trust"}
     with extra_kernel(f"ckpt_{kernel}", "rope", counting if kernel == "counting" else skewed):
         plain = copy.deepcopy(base)
-        with patched(plain, patchset=ps):
+        with patched(plain, patchset=ps, **trust):
             expected = _grads(plain, ids)  # patched, no checkpointing
         assert len(calls) == LAYERS
         calls.clear()
@@ -56,7 +59,7 @@ def test_checkpointed_patched_model_has_the_same_gradients(order: str, kernel: s
         model = copy.deepcopy(base)
         if order == "checkpointing_then_apply":
             model.gradient_checkpointing_enable()
-        with patched(model, patchset=ps):
+        with patched(model, patchset=ps, **trust):
             if order == "apply_then_checkpointing":
                 model.gradient_checkpointing_enable()
             assert model.is_gradient_checkpointing

@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 
 from engine.releases.manifest import installed_kernels
@@ -257,7 +258,9 @@ def write_section(doc: Path, section: str) -> None:
 
 
 #: The verified-content manifest in this checkout (shipped in the wheel as engine/_data/).
-MANIFEST = Path(__file__).resolve().parent.parent / "_data" / "verified_content.json"
+#: Found from the package, not this file's ``__file__``: run by its old path (``python -m engine.matrix``, a moved
+#: module's alias) the module's code runs with no ``__file__``.
+MANIFEST = Path(str(resources.files("engine").joinpath("_data", "verified_content.json")))
 
 
 def write_manifest(path: Path, results: list[dict]) -> dict:
