@@ -9,7 +9,8 @@ templates, so the steps are few and recognizable:
   (the patched forward passes an empty index so the model computes no logits at all);
 * ``logits = self.lm_head(hidden_states)``;
 * optionally Granite's logit scaling: ``logits = logits / self.config.logits_scaling`` (a
-  division by an attribute path, read at call time; the kernel divides each chunk's logits);
+  division by an attribute path, read at call time; the kernel divides each chunk's logits), or
+  MiniCPM3's, the same division of the head's input (``hidden_states = hidden_states / ...``);
 * optionally Gemma's soft-capping: ``if <...>.final_logit_softcapping is not None:`` with
   ``logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap``;
 * ``loss = self.loss_function(logits, labels, ...)`` under ``if labels is not None``;
@@ -121,30 +122,20 @@ def _calls_self_attr(node: ast.AST, attr: str) -> bool:
     )
 
 
-def _logit_divisor(node: ast.stmt) -> tuple[str, ...] | None:
-    """The path of ``self.<...>`` in ``logits = logits / self.<...>``, else None."""
-    if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-            and node.targets[0].id == "logits"):
-        return None
-    value = node.value
-    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Div)
-            and isinstance(value.left, ast.Name) and value.left.id == "logits"):
-        return None
-    return _self_path(value.right)
+def _divisor(node: ast.stmt, name: str) -> tuple[str, ...] | None:
+    """The path of ``self.<...>`` in ``<name> = <name> / self.<...>``, else None.
 
-
-def _hidden_divisor(node: ast.stmt) -> tuple[str, ...] | None:
-    """The path of ``self.<...>`` in ``hidden_states = hidden_states / self.<...>`` (MiniCPM3, before its head), else None.
-
-    Dividing the head's input by a scalar divides its logits by it (the fused head takes a head without bias,
-    :func:`head_weight`), so it is the same contract as Granite's division of the logits.
+    ``logits = logits / self.config.logits_scaling`` (Granite, after the head) and ``hidden_states =
+    hidden_states / self.config.logits_scaling`` (MiniCPM3, before it) are one contract: dividing the
+    head's input by a scalar divides its logits by it (the fused head takes a head without bias,
+    :func:`head_weight`).
     """
     if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-            and node.targets[0].id == "hidden_states"):
+            and node.targets[0].id == name):
         return None
     value = node.value
     if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Div)
-            and isinstance(value.left, ast.Name) and value.left.id == "hidden_states"):
+            and isinstance(value.left, ast.Name) and value.left.id == name):
         return None
     return _self_path(value.right)
 
@@ -216,11 +207,12 @@ def read_head_contract(cls: type, lm_head: str = "lm_head") -> HeadContract:
             if _calls_self_attr(stmt, lm_head):
                 head_calls += 1
                 continue
-            if head_calls == 0 and not in_softcap and divisor is None and (found := _hidden_divisor(stmt)) is not None:
+            before_head = head_calls == 0 and not in_softcap and divisor is None
+            if before_head and (found := _divisor(stmt, "hidden_states")) is not None:
                 divisor = found
                 continue
             if "logits" in names and not in_softcap and head_calls == 1 and softcap is None and divisor is None:
-                divisor = _logit_divisor(stmt)
+                divisor = _divisor(stmt, "logits")
                 if divisor is not None:
                     continue
             if "logits" in names and not in_softcap:
