@@ -319,3 +319,24 @@ def test_cli_plan_of_a_remote_code_folder_with_no_patchset(tmp_path: Path) -> No
     data = json.loads(out)
     assert data["zero_config"]["source"] == "measured"
     assert any(line.startswith("ToyRMSNorm: rms_norm") for line in data["zero_config"]["patched"])
+
+
+@pytest.mark.parametrize("model_type", ["bart", "whisper"])
+def test_an_encoder_decoders_cross_attention_norms_are_verified_on_a_reached_instances_inputs(model_type: str) -> None:
+    """Its causal-LM class never passes encoder states, so the cross-attention LayerNorms never run.
+
+    They are the class whose other instances ran: each is checked on a reached one's recorded
+    inputs (its own weights), and says so; the patch is then applied to all of them.
+    """
+    model = build_tiny_model(model_type)
+    perturb_(model)
+    report = _zero_config(model)
+    assert any(line.startswith("LayerNorm: layer_norm") for line in report.zero_config.patched), report.zero_config.patched
+    patched = copy.deepcopy(model)
+    engine.apply(patched)
+    verdict = engine.verify(patched, modules="all", raise_on_failure=False)
+    cross = [c for c in verdict.checks if "encoder_attn_layer_norm" in c.path]
+    assert cross and all(c.passed for c in cross), verdict
+    called = [c for c in cross if c.what == "called"]
+    assert called and all("not reached by the verification forward" in c.note for c in called)
+    assert {c.what for c in cross} >= {"called", "declaration"}

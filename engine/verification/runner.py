@@ -119,10 +119,15 @@ def verify(
     per_path: dict[str, list[Check]] = {}
     shown = Progress(len(checked) + int(check_model), progress)
 
+    exemplars: dict[tuple[str, str], tuple[str, Any]] = {}  # one reached module's inputs per (class, op)
+
     def check_captured() -> None:  # each check as soon as its inputs are there, which are then released
         for d in checked:
             if d.path in captured and d.path not in per_path:
-                per_path[d.path] = _check_one(d, captured.pop(d.path), model, named, containers, low)
+                inputs = captured.pop(d.path)
+                if d.site is None:
+                    exemplars.setdefault((d.cls, d.op), (d.path, inputs))
+                per_path[d.path] = _check_one(d, inputs, model, named, containers, low)
                 shown.step(d.path)
 
     model_checks: list[Check] = []
@@ -157,6 +162,9 @@ def verify(
             captured.update(capture_inputs(model, rest, batch, held))
         check_captured()
     for d in checked:
+        if d.path not in per_path and d.site is None and (d.cls, d.op) in exemplars:
+            per_path[d.path] = _check_unreached(d, exemplars[(d.cls, d.op)], model, named, containers, low)
+    for d in checked:
         if d.path in per_path:
             report.checks.extend(per_path[d.path])
         else:
@@ -179,6 +187,29 @@ def _check_one(d: Any, inputs: Any, model: nn.Module, named: dict[str, nn.Module
     if d.site is None:
         return verify_module(d, named[d.path], args, kwargs, low, within=model if d.path in containers else None)
     return verify_function(d, args, kwargs, low)
+
+
+def _check_unreached(d: Any, exemplar: tuple[str, Any], model: nn.Module, named: dict[str, nn.Module],
+                     containers: set[str], low: torch.dtype) -> list[Check]:
+    """A patched module the forward never reached, checked on the inputs a reached one of its class got.
+
+    Why: one model class can hold modules that one forward cannot reach: the cross-attention norms
+    of an encoder-decoder's decoder (BART, Whisper, Marian) run only with encoder states, which its
+    causal-LM class never passes. Called on another instance's recorded inputs it is checked as
+    strictly as one that ran (declaration and kernel, on its own weights); the ``called`` row says
+    so. Where those inputs do not fit it (another width), it stays a failure: nothing verified it.
+    """
+    source, inputs = exemplar
+    module = named[d.path]
+    try:
+        checks = _check_one(d, inputs, model, named, containers, low)
+    except Exception as exc:  # noqa: BLE001  (inputs of another shape: not verified, and it says why)
+        return [Check(d.path, d.cls, d.op, "called", "-", 0.0, 0.0, False,
+                      f"{_NOT_CALLED} (called on the inputs of {source}, a {type(module).__name__} the forward "
+                      f"reached, it raised {type(exc).__name__}: {str(exc)[:200]})", d.kernel or "-")]
+    note = (f"not reached by the verification forward (as an encoder-decoder's cross-attention modules without "
+            f"encoder states); checked on the inputs recorded for {source}, a reached module of its class")
+    return [Check(d.path, d.cls, d.op, "called", "-", 0.0, 0.0, True, note, d.kernel or "-"), *checks]
 
 
 def sample_modules(decisions: Sequence[Any]) -> list[Any]:
