@@ -188,8 +188,10 @@ def _check_origin(patchset: Patchset, index: int, what: str, module_name: str) -
     raise ModelTypeMismatch(
         f"patches[{index}] of the bundled patchset {patchset.name!r} was measured on transformers' own {what}; "
         f"this model's {what} comes from its own code ({module_name}, loaded with trust_remote_code) and may "
-        "compute something else under the same name. Scaffold its own patchset (patch-engine scaffold --model "
-        "FOLDER --trust-remote-code), or load the model without trust_remote_code to use transformers' classes"
+        "compute something else under the same name. Patch it with no patchset named (engine.apply(model): its own "
+        "code measured and verified on a tiny copy), write its own patchset (patch-engine scaffold --model "
+        "<checkpoint folder> --trust-remote-code), or load the model without trust_remote_code to use transformers' "
+        "classes"
     )
 
 
