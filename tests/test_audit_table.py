@@ -76,3 +76,25 @@ def test_a_table_run_resumes_from_its_cells_file(tmp_path: Path) -> None:
                                                                          ("llama", "bf16", "passes")]
     assert "2 cells from" in log.getvalue()
     assert len(_read_cells(cells_file)) == 2
+
+
+def test_a_page_from_the_cells_so_far_marks_the_cells_carried_over_from_the_previous_table(tmp_path: Path) -> None:
+    """``--from-cells --previous OLD.json``: a cell not measured yet is the previous table's, marked so; a measured
+    one is this audit's even where the previous table differs; nothing previous enters the cells file."""
+    from engine.commands.audit_table import _append_cell, _read_cells, _run_cells, carry_previous
+
+    cells_file = tmp_path / "cells.jsonl"
+    _append_cell(cells_file, {"stack": "liger", "model_type": "llama", "dtype": "fp32", "verdict": "passes",
+                              "text": "bit-equal", "seconds": 1.0})
+    got = _run_cells("/nonexistent/python", "liger", ["llama"], ("fp32", "bf16"), 1.0, io.StringIO(),
+                     cells_file=cells_file, run=False)
+    previous = [{"stack": "liger", "model_type": "llama", "dtype": d, "verdict": "differs", "text": "old",
+                 "seconds": 9.0} for d in ("fp32", "bf16")]
+    cells = carry_previous(got, previous)
+    assert [(c["dtype"], c["verdict"], c.get("previous", False)) for c in cells] == [
+        ("fp32", "passes", False), ("bf16", "differs", True)]
+    assert len(_read_cells(cells_file)) == 1
+    data = {"generated_in_seconds": 1.0, "command": "c", "cells": cells,
+            "stacks": {"liger": {"types": ["llama"]}, "patchset": {"types": []}}}
+    row = next(line for line in render_markdown(data, png="a.png").splitlines() if line.startswith("| llama "))
+    assert row.endswith("| 10 s, bf16 previous audit |"), row

@@ -39,9 +39,15 @@ def _word(c: dict[str, Any] | None) -> str:
 
 def render_markdown(data: dict[str, Any], *, png: str) -> str:
     cells = _cells(data)
+    carried = sum(1 for c in data["cells"] if c.get("previous"))
     lines = [BEGIN, "", (f"Generated in {data['generated_in_seconds'] / 60:.0f} min by `{data['command']}` (tiny "
                          "models, a probe batch of 2 x 16 tokens, training mode; each cell one audit, its time in the "
-                         "last column)."), ""]
+                         "last column).")]
+    if carried:
+        lines[-1] += (f" {len(data['cells']) - carried} cells are this audit's; {carried} are carried over from the "
+                      "previous table (an earlier version of the audit), and the time column says `previous audit` "
+                      "for each of them.")
+    lines.append("")
     lines += ["| stack | version | transformers | torch | model types claimed | time |", "|---|---|---|---|---|---|"]
     for stack, info in data["stacks"].items():
         types = info.get("types", [])
@@ -62,10 +68,21 @@ def render_markdown(data: dict[str, Any], *, png: str) -> str:
             ours = " / ".join(m["verdict"] if m else "-" for m in mine) if any(mine) else "no patchset bundled"
             seconds = sum(cells[(stack, t, d)].get("seconds", 0) for d in ("fp32", "bf16") if (stack, t, d) in cells)
             lines.append(f"| {t} | {_word(cells.get((stack, t, 'fp32')))} | {_word(cells.get((stack, t, 'bf16')))} "
-                         f"| {ours} | {seconds:.0f} s |")
+                         f"| {ours} | {seconds:.0f} s{_previous(cells, stack, t)} |")
         lines.append("")
     lines.append(END)
     return "\n".join(lines) + "\n"
+
+
+def _previous(cells: dict[tuple[str, str, str], dict[str, Any]], stack: str, model_type: str) -> str:
+    """Which of a row's cells are carried over from the previous table (not this audit's): '' when none."""
+    def old(s: str) -> list[str]:
+        return [d for d in ("fp32", "bf16") if (cells.get((s, model_type, d)) or {}).get("previous")]
+    parts = []
+    for who, dtypes in (("", old(stack)), ("ours ", old("patchset"))):
+        if dtypes:
+            parts.append(who + ("" if len(dtypes) == 2 else dtypes[0] + " ") + "previous audit")
+    return ", " + "; ".join(parts) if parts else ""
 
 
 def replace_section(text: str, section: str) -> str:

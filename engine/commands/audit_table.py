@@ -17,6 +17,11 @@ Every finished cell is appended to a cells file (``--cells``, default ``.audit-t
 as it arrives, and a cell already there is not run again (``--again`` reruns them all): the whole
 table takes hours on 2 cores, so an interrupted run resumes where it stopped, and runs of different
 stacks (one per venv, in parallel) share "ours" instead of each auditing our patchsets again.
+
+``--from-cells --previous OLD.json`` writes the table of what the cells file holds and fills each cell
+it lacks from an earlier results file, marked ``previous`` (the page says which: an earlier version of
+the audit may have judged it otherwise); a previous cell is never taken as measured, so a later run
+still audits it.
 """
 
 from __future__ import annotations
@@ -264,16 +269,30 @@ def _seconds(cells: list[dict[str, Any]], wall: float) -> float:
     return round(max(wall, sum(c.get("seconds", 0.0) for c in cells)), 1)
 
 
+def carry_previous(cells: list[dict[str, Any]], previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each ``not run`` cell replaced by the earlier results' cell of its stack, type and dtype, marked ``previous``.
+
+    Why: the whole table takes hours; a page written from the cells measured so far keeps the earlier
+    run's cells where nothing newer exists, each marked so the page can say it was not regenerated.
+    """
+    old = {(c["stack"], c["model_type"], c["dtype"]): c for c in previous if c["verdict"] != "not run"}
+    out = []
+    for c in cells:
+        earlier = old.get((c["stack"], c["model_type"], c["dtype"])) if c["verdict"] == "not run" else None
+        out.append({**earlier, "previous": True} if earlier else c)
+    return out
+
+
 def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] | None, timeout: float,
              log: Any = sys.stderr, paths: dict[str, str] | None = None, cells_file: Path | None = None,
-             run: bool = True) -> dict[str, Any]:
+             run: bool = True, previous: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Claims, then every cell, then ours for every type any stack claims; returns the results file's content.
 
     ``pythons``: a stack's interpreter (default: this one); ``paths``: a folder put on that stack's
     ``PYTHONPATH`` (twinkle's venv has no liger-kernel: a folder linking this venv's gives it its liger fallbacks).
-    ``run=False``: audit nothing, only what ``cells_file`` holds (the rest ``not run``). The stacks' and
-    the whole table's times are then the sums of their cells' times, as they are when every cell came
-    from the file.
+    ``run=False``: audit nothing, only what ``cells_file`` holds (the rest ``not run``, or from ``previous``,
+    marked so). The stacks' and the whole table's times are then the sums of their current cells' times,
+    as they are when every cell came from the file.
     """
     started = time.perf_counter()
     paths = paths or {}
@@ -295,7 +314,10 @@ def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] |
     cells += ours
     info["patchset"] = ours_info | {"python": sys.executable, "seconds": _seconds(ours, time.perf_counter() - ours_started)}
     options = [f"--python {k}={v}" for k, v in pythons.items()] + [f"--path {k}={v}" for k, v in paths.items()]
-    return {"generated_in_seconds": _seconds(cells, time.perf_counter() - started), "stacks": info, "cells": cells,
+    seconds = _seconds(cells, time.perf_counter() - started)
+    if previous is not None:
+        cells = carry_previous(cells, previous)
+    return {"generated_in_seconds": seconds, "stacks": info, "cells": cells,
             "command": " ".join(["python -m engine.commands.audit_table", *options])}
 
 
@@ -322,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--again", action="store_true", help="run every cell, even those in --cells")
     parser.add_argument("--from-cells", action="store_true",
                         help="audit nothing: the table of what --cells holds (the other cells 'not run')")
+    parser.add_argument("--previous", metavar="RESULTS.json",
+                        help="with --from-cells: cells the cells file lacks taken from this earlier results file, "
+                             "marked 'previous'")
     args = parser.parse_args(argv)
     if args.command == "worker":
         return _worker_main(args)
@@ -332,8 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     cells_file = Path(args.cells)
     if args.again:
         cells_file.unlink(missing_ok=True)
+    if args.previous and not args.from_cells:
+        parser.error("--previous fills a --from-cells table; a run audits every cell it lacks")
+    previous = json.loads(Path(args.previous).read_text())["cells"] if args.previous else None
     data = generate(pythons, tuple(args.stacks.split(",")), args.types.split(",") if args.types else None, args.timeout,
-                    paths=paths, cells_file=cells_file, run=not args.from_cells)
+                    paths=paths, cells_file=cells_file, run=not args.from_cells, previous=previous)
+    if args.from_cells:  # the command that wrote this page: its cells were measured by earlier runs of it
+        data["command"] += " --from-cells" + (f" --previous {args.previous}" if args.previous else "")
     Path(args.results).write_text(json.dumps(data, indent=1) + "\n")
     render_png(data, Path(args.png))
     docs = Path(args.docs)
