@@ -253,6 +253,8 @@ def test_a_forged_pass_never_lets_a_flipped_patchset_patch(tmp_path: Path, move:
             pytest.raises(engine.ReleaseVerificationFailed) as info:
         engine.apply(model, flipped, device="cpu")
     assert not info.value.verdict.cached and not engine.is_patched(model)  # verified afresh, refused afresh
+    if move == "group-writable folder":  # and not written there: the verdict says why, not "not writable"
+        assert info.value.verdict.where().startswith("not cached (its entries are not trusted: "), info.value.verdict.where()
 
 
 def test_an_apply_behind_a_held_lock_verifies_after_the_timeout(

@@ -78,10 +78,13 @@ def release_verdict(model: nn.Module, plan: Plan, why: str = "", *,
             outcome.checks, outcome.seconds, datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             verify_command(plan.patchset) or "", model_type=plan.model_type, why=why, outside=outside is not None,
         )
-        stored = {k: v for k, v in verdict.to_dict().items() if k not in ("cache_file", "cached")}
+        stored = {k: v for k, v in verdict.to_dict().items() if k not in ("cache_file", "cached", "not_cached")}
         path = store.write(key, {"material": material, "passed": verdict.passed, "finding": verdict.finding,
                                  "verdict": stored})
         verdict.cache_file = str(path) if path is not None else None
+        if path is None:
+            verdict.not_cached = (f"its entries are not trusted: {store.untrusted}" if store.untrusted
+                                  else "the cache folder is not writable")
         return verdict
 
 

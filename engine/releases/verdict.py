@@ -38,6 +38,7 @@ class ReleaseVerdict:
     model_type: str = ""  # the user's model type, the tiny model's
     why: str = ""  # why it was verified: not known verified content ("a patchset of your own (/abs/x.yaml)")
     outside: bool = False  # the installed release is outside the patchset's `requires`
+    not_cached: str = ""  # why it was not written (the cache folder untrusted, or not writable)
 
     @classmethod
     def from_entry(cls, stored: dict[str, Any], **extra: Any) -> ReleaseVerdict:
@@ -46,7 +47,9 @@ class ReleaseVerdict:
         return cls(**{k: v for k, v in stored.items() if k in known}, **extra)
 
     def where(self) -> str:
-        return f"cached in {self.cache_file}" if self.cache_file else "not cached (the cache folder is not writable)"
+        if self.cache_file:
+            return f"cached in {self.cache_file}"
+        return f"not cached ({self.not_cached or 'the cache folder is not writable'})"
 
     def summary(self) -> str:
         """``tiny qwen3 (Qwen3ForCausalLM), cpu, fp32, training: 27 checks in 6.1 s``."""
