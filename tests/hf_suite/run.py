@@ -208,7 +208,8 @@ def _hiding(packages: tuple[str, ...]) -> Path:
 #: fused head with qwen3_flce, trained on labels); gemma3 brings geglu, 1 + w norms, the vision
 #: tower's layer_norm, and the gradient-checkpointing tests the compiled kernels once broke;
 #: qwen3_moe the experts and their experts_implementation switches (once ignored); qwen3_next
-#: gated_rms_norm and linear attention (decode too), fla hidden (``HIDDEN``). fla's own kernels are not
+#: gated_rms_norm and linear attention (decode too), fla hidden (``HIDDEN``); gpt_neox the ungated ``mlp``
+#: (fc, GELU, fc, with biases), its biased LayerNorm and partial rotary (``rotary_pct``). fla's own kernels are not
 #: in this subset: under 5.15.1 a model of its families calls fla itself whenever fla is importable, so
 #: the unpatched baseline cannot run here; .ci/interpret runs them through the engine instead.
 _TRAIN = "test_training and not test_training_overfit and not test_training_gradient_checkpointing"
@@ -224,11 +225,12 @@ CI_RUNS: tuple[Run, ...] = (
     Run("qwen3_moe", "torch", f"test_eager_matches_batched_and_grouped_inference"
                               f" or {_TRAIN}"),
     Run("qwen3_next", "torch", f"{_TRAIN} or {_RETAIN} or test_generate_continue_from_past_key_values"),
+    Run("gpt_neox", "torch", f"{_TRAIN} or {_RETAIN}"),
 )
 #: What the CI subset must have patched at least once (``op:kernel`` in some run's models).
 CI_MUST_COVER = {
-    "ops": ("rms_norm", "gated_rms_norm", "layer_norm", "swiglu", "geglu", "rope", "moe_experts", "linear_attention",
-            "fused_linear_cross_entropy"),
+    "ops": ("rms_norm", "gated_rms_norm", "layer_norm", "swiglu", "geglu", "mlp", "rope", "moe_experts",
+            "linear_attention", "fused_linear_cross_entropy"),
     "kernels": ("torch", "compiled", "liger"),
 }
 
