@@ -446,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     collect = sub.add_parser("collect", help="the summary and page from the results at hand (runs nothing)")
     collect.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if getattr(args, "results", None) is not None:  # the runs' pytest works in the test tree: a relative path would move
+        args.results = args.results.resolve()
     if args.command == "render":
         render_page()
         return 0
