@@ -35,30 +35,35 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATCH_ENGINE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _numbers(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _numbers(model: nn.Module, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits, loss and gradients on a fixed batch of ids (plus ``inputs``: GIT's images)."""
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # a training forward may draw (phimoe's router jitter): the same draws both ways
-    out = model(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids, **inputs)
     out.loss.backward()
     return out.logits.detach(), out.loss.detach(), grads(model)
 
 
-def _assert_same_numbers(model: nn.Module, patched: nn.Module) -> None:
-    logits, loss, g = _numbers(model)
-    p_logits, p_loss, p_g = _numbers(patched)
+def _assert_same_numbers(model: nn.Module, patched: nn.Module, **inputs: torch.Tensor) -> None:
+    logits, loss, g = _numbers(model, **inputs)
+    p_logits, p_loss, p_g = _numbers(patched, **inputs)
     assert (p_logits - logits).abs().max().item() <= TOL
     assert abs(p_loss.item() - loss.item()) <= TOL
     assert max_diff(g, p_g) <= 1e-4
 
 
-def _zero_config(model: nn.Module, patchset: str | None = None, **kwargs):  # type: ignore[no-untyped-def]
-    """Patch a copy of ``model`` with no configuration; assert it patched, verified, and computes the same."""
+def _zero_config(model: nn.Module, patchset: str | None = None, inputs: dict[str, torch.Tensor] | None = None,
+                 **kwargs):  # type: ignore[no-untyped-def]
+    """Patch a copy of ``model`` with no configuration; assert it patched, verified, and computes the same.
+
+    ``inputs``: what the model takes beside ids and labels to compute its loss (GIT's images).
+    """
     patched = copy.deepcopy(model)
     report = engine.apply(patched, patchset, **kwargs)
     assert report.patched, str(report)
     assert engine.verify(patched, raise_on_failure=False).passed
-    _assert_same_numbers(model, patched)
+    _assert_same_numbers(model, patched, **(inputs or {}))
     return report
 
 
@@ -340,3 +345,44 @@ def test_an_encoder_decoders_cross_attention_norms_are_verified_on_a_reached_ins
     called = [c for c in cross if c.what == "called"]
     assert called and all("not reached by the verification forward" in c.note for c in called)
     assert {c.what for c in cross} >= {"called", "declaration"}
+
+
+def test_a_captioning_model_is_measured_and_verified_on_its_images() -> None:
+    """GIT's loss scores the logits after its image tokens: the probe gives it images, as it trains.
+
+    On ids alone its loss slices an empty span (``Expected input batch_size (0) to match target
+    batch_size``), and the scaffold never reached its vision tower's MLP.
+    """
+    from engine.verification.probes import inline_images
+
+    model = build_tiny_model("git")
+    images = inline_images(model, batch=2, seed=3)
+    assert images["pixel_values"].shape[0] == 2
+    report = _zero_config(model, inputs=images)
+    patched = report.zero_config.patched
+    assert any(line.startswith("GitVisionMLP: mlp") for line in patched), patched
+    assert any(line.startswith("LayerNorm: layer_norm") for line in patched), patched
+
+
+#: The families issue 41 names as having no patchset before it (Gemma 3n apart: see its own test).
+NAMED_FAMILIES = ["mistral3", "granitemoehybrid", "nemotron_h", "cohere", "cohere2", "olmo", "phi", "phimoe",
+                  "starcoder2", "stablelm", "gpt_neox", "falcon", "llava_next", "llava_onevision", "idefics3",
+                  "smolvlm", "lfm2_moe", "lfm2_vl", "jamba", "bamba", "zamba2", "minicpm3"]
+
+
+@pytest.mark.parametrize("model_type", NAMED_FAMILIES)
+def test_each_named_family_is_patched_with_no_patchset_named(model_type: str) -> None:
+    """``engine.apply(model)``: its bundled patchset (CI verified that content), at least one module, the same numbers."""
+    model = build_tiny_model(model_type)
+    perturb_(model)
+    patched = copy.deepcopy(model)
+    report = engine.apply(patched)
+    zc = report.zero_config
+    assert report.patched, str(report)
+    if model_type == "mistral3":  # the default config's Pixtral runs GELU where the checkpoints (and the file) say SiLU
+        assert zc.source == "measured" and "the bundled patchset 'mistral3' does not fit" in zc.bundled_misfit, str(zc)
+        assert "the bundled patchset 'mistral3' does not fit this model's config" in str(zc)
+    else:
+        assert zc.source == "bundled" and zc.bundled == model_type or model_type == "smolvlm", str(zc)
+    assert any(d.action == "patch" and d.site is None for d in report.decisions), str(report)  # a module, not only rope
+    _assert_same_numbers(model, patched)

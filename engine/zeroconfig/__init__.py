@@ -81,6 +81,7 @@ class ZeroConfigReport:
     measure_cached: bool = False
     measure_cache_file: str | None = None
     verdict: dict[str, Any] | None = None  # checks, seconds, device, dtype, mode, cached, cache_file
+    bundled_misfit: str = ""  # why the bundled patchset of its type was not used ("" when there is none, or it fit)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +98,8 @@ class ZeroConfigReport:
                     "engine.apply(model, 'measure') measures instead)")
         how = f"read from {self.measure_cache_file}" if self.measure_cached else f"in {self.measure_seconds} s"
         lines = [f"{self.summary()}; measured {how}"]
+        if self.bundled_misfit:
+            lines.append(f"  {self.bundled_misfit}")
         if self.problem:
             lines.append(f"  nothing patched: {self.problem}")
         if self.verdict:
@@ -155,6 +158,24 @@ def _nothing(record: ZeroConfigReport, model: nn.Module, strict: bool, **plan_kw
     return Choice(record, None, empty=empty)
 
 
+def _misfit(model: nn.Module, bundled: str, **plan_kwargs: Any) -> str:
+    """Why the bundled patchset of the model's type does not fit this model (``""``: it fits).
+
+    Why: a bundled file is written for the released checkpoints' configs; a model of the same
+    type built with another config (Mistral 3's default vision tower runs GELU where the
+    checkpoints run SiLU) makes its plan refuse a declaration. Named, that refusal is right;
+    with no patchset named, the user asked for what fits, so the model is measured instead, and
+    the report says why.
+    """
+    from engine.errors import SignatureMismatch
+
+    try:
+        plan(model, bundled, **plan_kwargs)
+    except (SignatureMismatch, TargetNotFound) as exc:
+        return f"the bundled patchset {bundled!r} does not fit this model's config ({exc}), so it was measured instead"
+    return ""
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_.-" else "_" for c in name) or "measured"
 
@@ -170,10 +191,13 @@ def choose(
     model_type = str(getattr(getattr(inner, "config", None), "model_type", "") or "")
     record = ZeroConfigReport("measured", model_type, type(inner).__name__)
     bundled = bundled_for(inner) if patchset != MEASURE else None
-    if bundled is not None:
-        record.source, record.bundled = "bundled", bundled
-        return Choice(record, bundled)
     plan_kwargs = {"device": device, "mode": mode}
+    if bundled is not None:
+        misfit = _misfit(inner, bundled, fused_cross_entropy=fused_cross_entropy, **plan_kwargs)
+        if not misfit:
+            record.source, record.bundled = "bundled", bundled
+            return Choice(record, bundled)
+        record.bundled_misfit = misfit  # a config the bundled file was not written for: measured instead
     identity = code_identity(inner)  # what both cache keys hold of the model: its classes, code and shrunk config
     found: Measured = measure(inner, identity)
     record.measure_seconds, record.measure_cached, record.measure_cache_file = (
