@@ -50,7 +50,15 @@ BASE_KWARGS: dict[str, Any] = {
 
 
 def tiny_config_kwargs(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {**BASE_KWARGS, **(overrides or {})}
+    """:data:`BASE_KWARGS` updated by ``overrides``; a base key set to ``None`` there is not passed at all.
+
+    Why ``None`` drops a base key: a few config classes compute one from their own keys and refuse
+    it as an argument (ProphetNet's ``num_hidden_layers`` is its encoder's layer count; XLNet's
+    ``max_position_embeddings`` is unlimited), so their types.yaml entry (or a ``tiny_model.config``)
+    writes ``num_hidden_layers: null`` and the class's own value stands.
+    """
+    kwargs = {**BASE_KWARGS, **(overrides or {})}
+    return {k: v for k, v in kwargs.items() if not (k in BASE_KWARGS and v is None)}
 
 
 def perturb_(model: nn.Module, *, seed: int = 0, scale: float = 0.2) -> nn.Module:
@@ -265,6 +273,8 @@ def check_tiny_config(model_type: str, config: dict[str, Any], *, file: str | No
     defaults = AutoConfig.for_model(model_type)
     for key, value in config.items():
         where = f"tiny_model.config.{key}"
+        if value is None and key in BASE_KWARGS:  # a base size the class computes itself (tiny_config_kwargs)
+            continue
         try:
             default = getattr(defaults, key, None)
         except Exception:  # a per-layer attribute (Gemma 4's head_dim) refuses global reads: no default to check

@@ -289,6 +289,8 @@ def tiny_overrides(defaults: dict[str, Any], *, special_ids_at_top: bool = False
                 small = [next(next_id) for _ in ids]
                 overrides[key] = small if isinstance(value, list) else small[0]
         elif isinstance(value, int) or (value is None and _NONE_MEANS_UNSET.search(key)):
+        elif value == 0 and key.endswith("head_dim"):
+            continue  # a part the model does not have (GLM-5-Next's NoPE attention: qk_rope_head_dim 0) stays absent
             for pattern, new in SIZE_RULES:
                 if re.search(pattern, key):
                     target = new(key, value) if callable(new) else new
