@@ -144,7 +144,10 @@ def _sub_overrides(sub: Any, *, language_model: bool) -> dict[str, Any]:
     image, patch = values.get("image_size"), values.get("patch_size")
     if isinstance(image, int) and isinstance(patch, int) and 0 < 4 * patch < image:
         images["image_size"] = 4 * patch  # 4 x 4 patches: a checkpoint's 1540 px are 12,100 tokens to attend over
-    return {**own, **tiny_overrides(values), **{k: v for k, v in SUB_BASE.items() if k in values}, **images}
+    # a part made of parts (DeepSeek-OCR 2's vision: a SAM tower and an encoder), each shrunk the same way
+    nested = {name: _sub_overrides(part, language_model=False) for name in _sub_config_names(type(sub))
+              if hasattr(part := getattr(sub, name, None), "to_diff_dict")}
+    return {**own, **tiny_overrides(values), **{k: v for k, v in SUB_BASE.items() if k in values}, **images, **nested}
 
 
 #: Config keys that describe a file, not a model: never written into a tiny config.
@@ -288,9 +291,9 @@ def tiny_overrides(defaults: dict[str, Any], *, special_ids_at_top: bool = False
             if any(isinstance(i, int) and i >= vocab for i in ids):
                 small = [next(next_id) for _ in ids]
                 overrides[key] = small if isinstance(value, list) else small[0]
-        elif isinstance(value, int) or (value is None and _NONE_MEANS_UNSET.search(key)):
         elif value == 0 and key.endswith("head_dim"):
             continue  # a part the model does not have (GLM-5-Next's NoPE attention: qk_rope_head_dim 0) stays absent
+        elif isinstance(value, int) or (value is None and _NONE_MEANS_UNSET.search(key)):
             for pattern, new in SIZE_RULES:
                 if re.search(pattern, key):
                     target = new(key, value) if callable(new) else new
