@@ -176,7 +176,7 @@ def build_tiny_model(
         composite = is_composite(CONFIG_MAPPING[model_type])
         config_cls, model_cls = _transformers_classes(model_type, composite)
         kwargs = _composite_kwargs(config_cls, config or {}) if composite else tiny_config_kwargs(config)
-        cfg = config_cls(**kwargs)
+        cfg = _config_the_model_takes(model_cls, config_cls(**kwargs))
         if attn_implementation is not None:
             cfg._attn_implementation = attn_implementation
             for name in getattr(type(cfg), "sub_configs", None) or {}:
@@ -191,6 +191,20 @@ def build_tiny_model(
         if random_buffers:
             fill_random_buffers(model, random_buffers, seed=seed)
         return model.to(dtype)
+
+
+def _config_the_model_takes(model_cls: Any, cfg: Any) -> Any:
+    """``cfg``, or its sub-config that ``model_cls`` is built from where the type's config is a whole of parts.
+
+    Why: MusicGen's causal LM is its decoder: ``MusicgenForCausalLM`` takes the ``MusicgenDecoderConfig``
+    the ``musicgen`` config holds under ``decoder``, and built from the whole it fails on a key only the
+    decoder has.
+    """
+    wanted = getattr(model_cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(cfg, wanted):
+        return cfg
+    parts = (getattr(cfg, name, None) for name in getattr(type(cfg), "sub_configs", None) or {})
+    return next((part for part in parts if isinstance(part, wanted)), cfg)
 
 
 #: A tiny model of a derived config larger than this means the size rules missed the config's own size keys.
