@@ -221,3 +221,63 @@ def test_a_users_own_patch_calling_triton_is_judged_under_the_interpreter_not_un
     norms = [r for r in report.rows if r.cls == "Qwen3RMSNorm"]
     assert norms and not any(r.result == "unchecked" for r in norms), report.summary()
     assert report.verdict == "passes", report.summary()
+
+
+class _WeightGradInFp64(torch.autograd.Function):
+    """``weight * hidden`` as the original computes it; the weight's gradient summed in float64 (another order of
+    the same sum, closer to fp64: within the rounding error, not bit-equal), as another kernel's dW sum would be."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight, hidden)
+        return weight * hidden
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, hidden = ctx.saved_tensors
+        dweight = (grad.double() * hidden.double()).reshape(-1, hidden.shape[-1]).sum(0).to(weight.dtype)
+        return dweight, grad * weight
+
+
+def norms_with_another_dweight_sum(model: nn.Module) -> None:
+    import types
+
+    def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return _WeightGradInFp64.apply(self.weight, hidden_states.to(input_dtype))
+
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3RMSNorm":
+            m.forward = types.MethodType(forward, m)
+
+
+def test_a_bit_equal_forward_over_a_backward_within_rounding_passes_and_explains_the_gradients(qwen3) -> None:
+    """HF kernels' Liger RMSNorm in bf16: every forward bit-equal, the weight gradients summed otherwise. The
+    gradients are not bit-identical, and the change found explains that: it passes, never 'a change the
+    detector cannot see'; the rows say the forward is the same and the backward within its rounding error."""
+    report = audit(qwen3, norms_with_another_dweight_sum)
+    norms = [r for r in report.rows if r.cls == "Qwen3RMSNorm"]
+    assert {r.result for r in norms} == {"same", "passes"}, report.summary()
+    assert all("forward same, backward not bit-equal" in r.note for r in norms if r.result == "passes")
+    assert not report.model_identical and all(c.passed for c in report.model_checks)
+    assert report.verdict == "passes" and "cannot see" not in report.summary(), report.summary()
+
+
+def test_a_backward_only_change_never_explains_logits_that_moved() -> None:
+    """The rule itself: logits not bit-identical while every change found has a bit-equal forward is a change the
+    detector cannot see, even where a backward differs within its rounding error."""
+    from engine.auditing.report import AuditReport, Row
+    from engine.verification.results import Check
+
+    row = Row("model.norm", "Qwen3RMSNorm", "forward replaced", "", "passes", 1e-9, 0.5, forward_same=True)
+
+    def report(logits: float) -> AuditReport:
+        checks = [Check("<model>", "Qwen3ForCausalLM", "model", "logits", "fp32", logits, 0.0, True),
+                  Check("<model>", "Qwen3ForCausalLM", "model", "grads", "fp32", 1e-9, 0.0, True)]
+        return AuditReport("p", "Qwen3ForCausalLM", "qwen3", "fp32", rows=[row], model_checks=checks)
+
+    assert report(0.0).verdict == "passes"
+    assert report(1e-7).verdict == "differs" and "cannot see" in report(1e-7).summary()
