@@ -386,3 +386,21 @@ def test_each_named_family_is_patched_with_no_patchset_named(model_type: str) ->
         assert zc.source == "bundled" and zc.bundled == model_type or model_type == "smolvlm", str(zc)
     assert any(d.action == "patch" and d.site is None for d in report.decisions), str(report)  # a module, not only rope
     _assert_same_numbers(model, patched)
+
+
+def test_a_model_that_rebuilds_itself_in_its_first_forward_is_verified_on_the_settled_model() -> None:
+    """BigBird switches block-sparse attention to full attention on a short sequence, in its first forward.
+
+    It builds new attention modules there, whose initialisation draws from the global generator
+    after the run's seed: the original's first run drew other dropout masks than every later run,
+    and differed from the patched run (logits by 3) by those masks, not by the patch.
+    """
+    model = build_tiny_model("big_bird")
+    assert model.training and model.config.attention_type == "block_sparse"
+    patched = copy.deepcopy(model)
+    report = engine.apply(patched)  # its verification runs the first forward of this copy
+    assert report.zero_config.source == "measured" and report.patched, str(report)
+    assert engine.verify(patched, raise_on_failure=False).passed
+    with torch.no_grad():  # the unpatched model's own first forward, so that both compare settled
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    _assert_same_numbers(model, patched)

@@ -148,9 +148,15 @@ def _compare(
 ) -> list[Check]:
     cls = type(patched).__name__
     grads = Grads()
+    ran = reference if reference is not None else patched
+    tree = _module_tree(ran)
     with (_original(patched, reference) as original, _taking_gradients(original, grads.original, held),
           alongside.during_original()):
         ref_out = _run(original, batch)
+    if _module_tree(ran) != tree:  # its forward rebuilt part of the model: run the original again, settled
+        del ref_out
+        with _original(patched, reference) as original, _taking_gradients(original, grads.original, held):
+            ref_out = _run(original, batch)
     head = "logits" if "logits" in ref_out else "last_hidden_state"  # a base model has no LM head
     ref = _OriginalOutput(hold(ref_out[head], held), lambda: _original_output(patched, reference, batch, head, held),
                           keep=held != next(patched.parameters()).device)
@@ -208,6 +214,20 @@ def _compare(
         for check in checks:
             check.note += f" (the fp64 truth still rounded in {', '.join(rounded)})"
     return checks
+
+
+def _module_tree(model: nn.Module) -> list[tuple[str, int]]:
+    """Each module's path and identity: what tells that a forward replaced modules of the model.
+
+    Why: a model may rebuild itself in its first forward (BigBird, on a sequence too short for
+    block-sparse attention, switches to full attention by building new attention modules), and
+    building them draws their initial weights from the global generator after the run's seed:
+    that first run draws other dropout masks than every later one, and differs from the patched
+    run by those masks, not by the patch. The original then runs again on the settled model
+    (its gradients and outputs replace the first run's; the inputs recorded in the first run
+    stay, each module check compares both forwards on the same recorded inputs).
+    """
+    return [(path, id(module)) for path, module in model.named_modules()]
 
 
 class _OriginalOutput:

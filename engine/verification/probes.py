@@ -7,6 +7,7 @@ decoding reaches), so shapes, gates and dtypes are the ones the model really use
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -43,13 +44,36 @@ def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
     if not takes_labels(model):  # a base model (no LM head, e.g. Qwen2VLTextModel): no labels to give
         return {"input_ids": ids}
-    return {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids, "labels": ids.clone(), **inline_images(model, batch=batch, seed=seed)}
+
+
+def inline_images(model: nn.Module, *, batch: int, seed: int) -> dict[str, torch.Tensor]:
+    """``batch`` random images for a captioning causal LM whose text decoder reads them inline, else nothing.
+
+    Why: such a model (GIT: one config, its ``vision_config`` beside the decoder's keys, no text
+    sub-config) puts the image's tokens before the text in one sequence, and its loss scores the
+    logits after ``image_patch_tokens`` positions whether or not images came: on token ids alone
+    the scored slice is empty (``Expected input batch_size (0) to match target batch_size``) or
+    misaligned. With the images it trains as it is used, and the vision tower is in the
+    whole-model check too. A composite model (a text sub-config) is probed on text alone.
+    """
+    from engine.tiny import tiny_vision_inputs
+
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config or getattr(config, "vision_config", None) is None:
+        return {}
+    if "pixel_values" not in inspect.signature(model.forward).parameters:
+        return {}
+    images = [tiny_vision_inputs(model, seed=seed + i) for i in range(batch)]
+    if any(im is None or set(im) != {"pixel_values"} or im["pixel_values"].dim() != 4 for im in images):
+        return {}  # a tower of another input convention: not one this probe knows how to draw
+    device = next(model.parameters()).device
+    return {"pixel_values": torch.cat([im["pixel_values"] for im in images]).to(device)}
 
 
 def takes_labels(model: nn.Module) -> bool:
     """Whether ``model.forward`` takes ``labels`` (a model with an LM head) or not (a base model)."""
-    import inspect
-
     return "labels" in inspect.signature(model.forward).parameters
 
 
