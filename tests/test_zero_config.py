@@ -388,6 +388,22 @@ def test_each_named_family_is_patched_with_no_patchset_named(model_type: str) ->
     _assert_same_numbers(model, patched)
 
 
+@pytest.mark.parametrize("model_type", ["hy_v4_vl", "shieldgemma2", "dbrx"])
+def test_measured_types_whose_tiny_model_needed_the_right_inputs_or_sizes(model_type: str) -> None:
+    """Each failed for its tiny model's inputs or sizes, not for a declaration.
+
+    hy_v4_vl: its vision tower takes flattened patches with ``image_grid_thw`` but names no
+    ``temporal_patch_size``: the verifier gave it no pixels and checked its norms, never reached,
+    on a text layer's inputs of another width. shieldgemma2: Gemma 3's projector pools the tiny
+    tower's 4 x 4 patches to ``mm_tokens_per_image`` (256 by default: a pooling kernel of 0).
+    dbrx: ``ffn_config.hidden_size`` copies ``d_model`` before the tiny width reaches it.
+    """
+    model = build_tiny_model(model_type)
+    report = _zero_config(model)
+    zc = report.zero_config
+    assert zc.source == "measured" and zc.patched and not zc.failed, str(report)
+
+
 def test_a_model_that_rebuilds_itself_in_its_first_forward_is_verified_on_the_settled_model() -> None:
     """BigBird switches block-sparse attention to full attention on a short sequence, in its first forward.
 

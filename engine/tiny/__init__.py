@@ -390,11 +390,12 @@ def tiny_vision_inputs(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Te
         return None
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
-    if hasattr(vision, "temporal_patch_size"):
-        merge = int(getattr(vision, "spatial_merge_size", 1))
-        channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
+    if hasattr(vision, "temporal_patch_size") or _takes_grid(model):  # HunYuan-VL 4: no temporal patches (1)
+        merge = int(getattr(vision, "spatial_merge_size", getattr(vision, "merge_size", 1)))  # Muse Glimmer: merge_size
+        channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", getattr(vision, "num_channels", 3))))
         side = 2 * merge
-        width = channels * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        temporal = getattr(vision, "temporal_patch_size", getattr(vision, "patch_temporal", 1))  # Muse Glimmer: patch_temporal
+        width = channels * int(temporal) * int(vision.patch_size) ** 2
         pixels = torch.randn(side * side, width, generator=gen)
         return {"pixel_values": pixels.to(dtype), "image_grid_thw": torch.tensor([[1, side, side]])}
     image_size = getattr(vision, "image_size", None)
@@ -413,6 +414,19 @@ def tiny_vision_inputs(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Te
     if getattr(vision, "model_type", None) == "pixtral":  # Mistral 3: its tower reads each image's size
         return {"pixel_values": pixels, "image_sizes": torch.tensor([[size, size]])}
     return {"pixel_values": pixels}
+
+
+def _takes_grid(model: nn.Module) -> bool:
+    """Whether the composite's ``get_image_features`` takes ``image_grid_thw``: flattened patches, as Qwen-VL's.
+
+    Why: a tower of that convention need not name ``temporal_patch_size`` (HunYuan-VL 4's takes
+    ``(patches, channels * patch_size**2)``, one frame per patch) nor an ``image_size``.
+    """
+    import inspect
+
+    owner = model if hasattr(model, "get_image_features") else getattr(model, "model", model)
+    method = getattr(owner, "get_image_features", None)
+    return method is not None and "image_grid_thw" in inspect.signature(method).parameters
 
 
 def image_features(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -70,6 +70,7 @@ SIZE_RULES: tuple[tuple[str, Any], ...] = (
     (r"^(encoder|decoder)_layers$", 2),                   # BART-likes: the decoder their causal LM is
     (r"_layer_period$", 2),                               # jamba: attention / experts every other layer
     (r"_layer_offset$", 1),                               # ... starting at the second, so both kinds stay
+    (r"^mm_tokens_per_image$", 4),                        # Gemma 3's pooling of the tiny tower's 4 x 4 patches to 2 x 2
 )
 
 #: Sizes of a sub-model beside the language model (vision tower, audio encoder, Q-Former): set where
