@@ -90,6 +90,40 @@ def test_rms_norm_reference_is_bit_exact_and_alternatives_miss(model_dir, cls_na
                     assert other.dtype != expected.dtype or not torch.equal(other, expected), f"{label} also fits"
 
 
+def test_a_weightless_instance_of_a_weighted_class_normalizes_only_when_declared():
+    """Gemma 3n's value norm (``with_scale=False``) has no weight; its class's other norms have one.
+
+    ``weight_required: false`` binds both, each bit-exact (the missing weight taken as exactly 1);
+    without it the weightless instance is refused before anything is patched.
+    """
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+
+    from engine.errors import SignatureMismatch
+
+    torch.manual_seed(0)
+    weighted, bare = Gemma3nRMSNorm(HIDDEN, eps=1e-6), Gemma3nRMSNorm(HIDDEN, eps=1e-6, with_scale=False)
+    with torch.no_grad():
+        weighted.weight.copy_(1.011 + 0.05 * torch.randn(HIDDEN))
+    op = get_op("rms_norm")
+    strict = RmsNormPatch(op="rms_norm", target="Gemma3nRMSNorm", scale="weight", cast="fp32")
+    with pytest.raises(SignatureMismatch, match="weight_attr"):
+        op.check_target(bare, strict)
+    patch = strict.model_copy(update={"weight_required": False})
+    x = torch.randn(3, 5, HIDDEN, generator=torch.Generator().manual_seed(1)) * 3
+    for module in (weighted, bare):
+        op.check_target(module, patch)
+        for dtype in (torch.float32, torch.bfloat16):
+            m = copy.deepcopy(module).to(dtype)
+            with torch.no_grad():
+                expected = m(x.to(dtype))
+                got = op.bind(m, patch, registry.get("torch", "rms_norm").build(patch))(m, x.to(dtype))
+            assert got.dtype == expected.dtype and torch.equal(got, expected), (module.with_scale, dtype)
+    # the scaffold finds the declaration from the weightless instance's layout
+    assert any(not c.weight_required and c.cast is CastOrder.fp32 and c.scale is Scale.weight
+               for c in op.candidates(bare))
+    assert all(c.weight_required for c in op.candidates(weighted))
+
+
 def test_one_plus_weight_is_formed_in_fp32():
     w = torch.full((4,), 0.011, dtype=torch.bfloat16)
     assert effective_weight(w, Scale.one_plus_weight).dtype == torch.float32

@@ -420,3 +420,16 @@ def test_a_model_that_rebuilds_itself_in_its_first_forward_is_verified_on_the_se
     with torch.no_grad():  # the unpatched model's own first forward, so that both compare settled
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     _assert_same_numbers(model, patched)
+
+
+def test_a_norm_class_with_weightless_instances_is_measured_and_patched_on_all_of_them() -> None:
+    """Gemma 3n's RMSNorm has no weight in its value norm (``with_scale=False``): measured with
+    ``weight_required: false`` from that instance's layout, all 22 are patched, the weightless ones too."""
+    model = build_tiny_model("gemma3n_text")
+    report = _zero_config(model)
+    assert any(line.startswith("Gemma3nRMSNorm: rms_norm") for line in report.zero_config.patched), str(report)
+    patched = copy.deepcopy(model)
+    engine.apply(patched)
+    verdict = engine.verify(patched, modules="all", raise_on_failure=False)
+    bare = [c for c in verdict.checks if c.path.endswith("v_norm")]
+    assert bare and all(c.passed for c in bare), verdict

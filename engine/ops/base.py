@@ -221,6 +221,15 @@ def require_norm_attributes(module: nn.Module, eps_attr: str, weight_attr: str) 
     Why: a wrong ``eps_attr`` would otherwise surface as an AttributeError mid-forward, or
     worse, bind another number. Returns the weight.
     """
+    require_norm_eps(module, eps_attr)
+    weight = getattr(module, weight_attr, None)
+    if not isinstance(weight, torch.Tensor):
+        raise SignatureMismatch(f"{type(module).__name__} has no tensor attribute {weight_attr!r} (weight_attr)")
+    return weight
+
+
+def require_norm_eps(module: nn.Module, eps_attr: str) -> None:
+    """Check that a norm module has a numeric eps under the declared name (a weightless norm needs no more)."""
     cls = type(module).__name__
     eps = getattr(module, eps_attr, None)
     if not isinstance(eps, (float, int)) or isinstance(eps, bool):
@@ -231,10 +240,6 @@ def require_norm_attributes(module: nn.Module, eps_attr: str, weight_attr: str) 
             f"{cls} has no numeric attribute {eps_attr!r} (eps_attr); numeric attributes it has: {numeric or 'none'}"
             f"{fits}"
         )
-    weight = getattr(module, weight_attr, None)
-    if not isinstance(weight, torch.Tensor):
-        raise SignatureMismatch(f"{cls} has no tensor attribute {weight_attr!r} (weight_attr)")
-    return weight
 
 
 def norm_parameter_names(module: nn.Module) -> tuple[list[str], list[str]]:

@@ -26,6 +26,7 @@ from engine.ops.base import (
     norm_parameter_names,
     register_op,
     require_norm_attributes,
+    require_norm_eps,
     require_single_input,
 )
 from engine.schema import CastOrder, Precision, RmsNormPatch, Scale
@@ -74,6 +75,9 @@ class RmsNormOp(ModuleOp):
 
     def check_target(self, module: nn.Module, patch: RmsNormPatch) -> None:
         require_single_input(module, self.name, forbid=("gate",))
+        if not patch.weight_required and _weightless(module, patch):
+            require_norm_eps(module, patch.eps_attr)
+            return
         require_norm_attributes(module, patch.eps_attr, patch.weight_attr)
 
     def bind(self, module: nn.Module, patch: RmsNormPatch, impl: Callable[..., Any]) -> Callable[..., Any]:
@@ -81,7 +85,16 @@ class RmsNormOp(ModuleOp):
         # who sets `module.variance_epsilon` after apply gets what the original forward would
         # compute (one attribute read, ~20 ns; see docs/performance.md).
         eps_attr, weight_attr = patch.eps_attr, patch.weight_attr
-        if (eps_attr, weight_attr) == ("variance_epsilon", "weight"):
+        if not patch.weight_required and _weightless(module, patch):
+            # the unit factor in the input's dtype: x_hat times exactly 1 (w = 0 where 1 + w), so every
+            # kernel computes the weightless norm bit for bit with the weight it takes anyway
+            fill = 0.0 if patch.scale is Scale.one_plus_weight else 1.0
+
+            def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+                unit = torch.full(hidden_states.shape[-1:], fill, dtype=hidden_states.dtype, device=hidden_states.device)
+                return impl(hidden_states, unit, getattr(self, eps_attr))
+
+        elif (eps_attr, weight_attr) == ("variance_epsilon", "weight"):
 
             def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
                 return impl(hidden_states, self.weight, self.variance_epsilon)
@@ -104,10 +117,25 @@ class RmsNormOp(ModuleOp):
 
 
     def candidates(self, module: nn.Module) -> Iterator[RmsNormPatch]:
-        """Every (weight, eps attribute, scale, cast) a norm-shaped module could be declared with."""
+        """Every (weight, eps attribute, scale, cast) a norm-shaped module could be declared with.
+
+        A module with an eps but no weight (Gemma 3n's value norm beside its class's weighted
+        ones) gets the declarations with ``weight_required: false`` and the default weight name:
+        measured on every instance of the class, they are exact only where the weighted ones are too.
+        """
         weights, eps_attrs = norm_parameter_names(module)
         target = type(module).__name__
+        if not weights and eps_attrs and not any(True for _ in module.parameters(recurse=False)):
+            for eps_attr, scale, cast in itertools.product(eps_attrs, Scale, CastOrder):
+                yield RmsNormPatch(op="rms_norm", target=target, scale=scale, cast=cast, eps_attr=eps_attr,
+                                   weight_required=False)
+            return
         for weight_attr, eps_attr, scale, cast in itertools.product(weights, eps_attrs, Scale, CastOrder):
             yield RmsNormPatch(
                 op="rms_norm", target=target, scale=scale, cast=cast, eps_attr=eps_attr, weight_attr=weight_attr
             )
+
+
+def _weightless(module: nn.Module, patch: RmsNormPatch) -> bool:
+    """Whether this instance has no weight under ``weight_attr`` (Gemma 3n's ``with_scale=False`` norm)."""
+    return getattr(module, patch.weight_attr, None) is None

@@ -189,7 +189,7 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
         called = [(p, m) for p, m in members if p in originals]
         finding = Finding("module", cls.__name__, len(called), origin=cls.__module__)
         for op in module_ops:
-            candidates = list(op.candidates(members[0][1]))
+            candidates = _candidates(op, members)
             if not candidates:
                 continue
             if op.opt_in:
@@ -211,6 +211,24 @@ def _module_findings(model: nn.Module, originals: _Originals) -> Iterator[Findin
         # worth a line only for what looks like a norm, MLP, experts, rope or LM head
         if finding.measurements or finding.opt_in or kind is not None:
             yield finding
+
+
+def _candidates(op: ModuleOp, members: list[tuple[str, nn.Module]]) -> list[Any]:
+    """The op's candidates for the first module of each parameter layout the class's modules have, without repeats.
+
+    Why not the first module's alone: one class may hold modules of another layout (Gemma 3n's
+    RMSNorm: a weight everywhere but in the value norm, ``with_scale=False``), whose declaration
+    (``weight_required: false``) the first module's candidates never include; each candidate is
+    then measured on every module of the class, as before.
+    """
+    firsts: dict[tuple[str, ...], nn.Module] = {}
+    for _, module in members:
+        firsts.setdefault(tuple(name for name, _ in module.named_parameters(recurse=False)), module)
+    seen: dict[str, Any] = {}
+    for module in firsts.values():
+        for patch in op.candidates(module):
+            seen.setdefault(patch.model_dump_json(), patch)
+    return list(seen.values())
 
 
 def _is_random(originals: _Originals, path: str, module: nn.Module) -> bool:

@@ -85,6 +85,11 @@ class RmsNormPatch(ModulePatch):
     weight_attr: str = Field(default="weight", description="Attribute of the module holding the weight.")
     cast: CastOrder = Field(default=CastOrder.llama, description="Where the cast back to the input dtype happens.")
     precision: Precision = Precision.native
+    weight_required: bool = Field(
+        default=True,
+        description=("false: an instance without the weight normalizes only (Gemma 3n's value norm, "
+                     "with_scale=False: x_hat cast to the input dtype), as if its weight were 1 (or 1 + w with w = 0)."),
+    )
 
 
 class GatedRmsNormPatch(ModulePatch):

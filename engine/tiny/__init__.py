@@ -34,8 +34,9 @@ __all__ = [
 
 #: Config keys that count or size something: a tiny model needs them positive.
 _POSITIVE = re.compile(r"^num_\w*(layers|heads|experts)$|_size$|_dim$|^max_position_embeddings$")
-#: Counts of optional parts, where 0 means none (the scaffold writes 0 multi-token-prediction layers).
-_MAY_BE_ZERO = {"num_nextn_predict_layers"}
+#: Counts of optional parts, where 0 means none (the scaffold writes 0 multi-token-prediction layers,
+#: and 0 KV-sharing layers for Gemma 3n: every tiny layer fills its own cache).
+_MAY_BE_ZERO = {"num_nextn_predict_layers", "num_kv_shared_layers"}
 
 #: Keyword arguments every tiny model starts from; a patchset's ``tiny_model.config`` adds to them.
 BASE_KWARGS: dict[str, Any] = {
