@@ -108,6 +108,8 @@ def _transformers_classes(model_type: str, composite: bool) -> tuple[Any, Any]:
     tables = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES]
     if composite:
         tables.insert(0, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    else:  # in no other table: vision-encoder-decoder (its decoder is its language model, see engine.tiny.subject)
+        tables.append(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     model_name = next((t[model_type] for t in tables if model_type in t), None)
     config_cls = getattr(transformers, config_name, None) if config_name else None
     model_cls = getattr(transformers, model_name, None) if isinstance(model_name, str) else None
@@ -121,10 +123,13 @@ def _transformers_classes(model_type: str, composite: bool) -> tuple[Any, Any]:
 
 
 def _causal_lm_of_config(config_cls: type) -> Any:
-    """The ``*ForCausalLM`` class of ``config_cls``'s own modeling module that takes it, or None.
+    """The class of ``config_cls``'s own modeling module that takes it: its ``*ForCausalLM``, else its
+    LM-head model, else its text model; None where it has none.
 
     Why: some text sub-model types are in no Auto table (``mllama_text_model``), yet their
-    package has a causal LM for exactly that config (``MllamaForCausalLM``).
+    package has a causal LM for exactly that config (``MllamaForCausalLM``), or a decoder with an
+    LM head by another name (``BlipTextLMHeadModel``; ``Pix2StructTextModel``, whose text model is
+    its decoder), or a text model only (``Granite4VisionTextModel``: hidden states out, no LM head).
     """
     import importlib
 
@@ -133,8 +138,10 @@ def _causal_lm_of_config(config_cls: type) -> Any:
         module = importlib.import_module(module_name)
     except ImportError:
         return None
-    return next((c for n, c in vars(module).items() if n.endswith("ForCausalLM") and isinstance(c, type)
-                 and getattr(c, "config_class", None) is config_cls), None)
+    order = ("ForCausalLM", "LMHeadModel", "TextModel")
+    takers = [(n, c) for n, c in vars(module).items()
+              if isinstance(c, type) and getattr(c, "config_class", None) is config_cls]
+    return next((c for end in order for n, c in takers if n.endswith(end)), None)
 
 
 def build_tiny_model(

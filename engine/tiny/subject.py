@@ -60,7 +60,7 @@ def tiny_subject(model_type: str, config: dict[str, Any] | None = None, *, seed:
 
     Raises ``ValueError`` naming the keys to pass when neither it nor its language model builds.
     """
-    from engine.tiny import build_tiny_model, is_composite
+    from engine.tiny import build_tiny_model
     from engine.tiny.config import derive_tiny_config, merged
 
     derived = derive_tiny_config(model_type)  # an unknown type is refused here, with the names it is close to
@@ -68,7 +68,8 @@ def tiny_subject(model_type: str, config: dict[str, Any] | None = None, *, seed:
     tiny = merged(derived, config or {})
     from transformers import CONFIG_MAPPING
 
-    composite = is_composite(CONFIG_MAPPING[model_type])
+    part = language_part(CONFIG_MAPPING[model_type])
+    composite = part is not None
     try:
         model = build_tiny_model(model_type, tiny, seed=seed, check_size=True)
     except Exception as exc:  # noqa: BLE001  (any config or build failure: the language model, or which keys to pass)
@@ -79,14 +80,25 @@ def tiny_subject(model_type: str, config: dict[str, Any] | None = None, *, seed:
             ) from exc
         why = (f"the composite does not build here ({type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
                f"{'; install it with the [vision] extra' if isinstance(exc, ImportError) else ''})")
-        return _language_model(model_type, tiny, why, seed)
+        return _language_model(model_type, tiny, why, seed, part)
     if composite and needs_pixels(model):
-        return _language_model(model_type, tiny, f"{type(model).__name__}.forward requires pixel_values", seed)
+        return _language_model(model_type, tiny, f"{type(model).__name__}.forward requires pixel_values", seed, part)
     if composite:
         failure = _text_only_failure(model)
         if failure:
-            return _language_model(model_type, tiny, f"its forward fails on token ids alone ({failure})", seed)
+            return _language_model(model_type, tiny, f"its forward fails on token ids alone ({failure})", seed, part)
     return Subject(model, tiny, model_type)
+
+
+def language_part(config_class: type) -> str | None:
+    """The sub-config a composite's language model is built from: its ``text_config``, or the ``decoder``
+    of a vision encoder-decoder; None for a model of one part.
+
+    Why the decoder: ``vision-encoder-decoder`` holds its language model (a causal LM: BERT's, GPT-2's)
+    under ``decoder``, and its forward needs pixel_values, as a composite's does.
+    """
+    subs = getattr(config_class, "sub_configs", None) or {}
+    return next((name for name in ("text_config", "decoder") if name in subs), None)
 
 
 def _text_only_failure(model: nn.Module) -> str:
@@ -109,12 +121,12 @@ def _text_only_failure(model: nn.Module) -> str:
     return ""
 
 
-def _language_model(model_type: str, tiny: dict[str, Any], why: str, seed: int) -> Subject:
+def _language_model(model_type: str, tiny: dict[str, Any], why: str, seed: int, part: str = "text_config") -> Subject:
     from transformers import CONFIG_MAPPING
 
     from engine.tiny import build_tiny_model
 
-    text = dict(tiny.get("text_config") or {})
+    text = dict(tiny.get(part) or {})
     text_type = text.pop("model_type", None) or CONFIG_MAPPING[model_type]().get_text_config().model_type
     try:
         model = build_tiny_model(text_type, text, seed=seed, check_size=True)
