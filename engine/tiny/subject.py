@@ -91,14 +91,16 @@ def tiny_subject(model_type: str, config: dict[str, Any] | None = None, *, seed:
 
 
 def language_part(config_class: type) -> str | None:
-    """The sub-config a composite's language model is built from: its ``text_config``, or the ``decoder``
-    of a vision encoder-decoder; None for a model of one part.
+    """The sub-config a composite's language model is built from: its ``text_config``, the ``decoder``
+    of a vision encoder-decoder, or the ``vlm_config`` of a vision-language-action model; None for a
+    model of one part.
 
-    Why the decoder: ``vision-encoder-decoder`` holds its language model (a causal LM: BERT's, GPT-2's)
-    under ``decoder``, and its forward needs pixel_values, as a composite's does.
+    Why the others: ``vision-encoder-decoder`` holds its language model (a causal LM: BERT's, GPT-2's)
+    under ``decoder``, PI0 its PaliGemma under ``vlm_config`` (its action expert is a Gemma of the same
+    classes), and their forwards need pixel_values (and actions), as a composite's does.
     """
     subs = getattr(config_class, "sub_configs", None) or {}
-    return next((name for name in ("text_config", "decoder") if name in subs), None)
+    return next((name for name in ("text_config", "decoder", "vlm_config") if name in subs), None)
 
 
 def _text_only_failure(model: nn.Module) -> str:
