@@ -81,16 +81,17 @@ def test_the_measured_column_scaffolds_and_verifies_a_type_with_no_bundled_patch
     from engine.commands.coverage_measured import load_measured, measure_types
 
     data = tmp_path / "measured.json"
-    entries = measure_types(["gpt2", "xlnet"], data)
-    gpt2, xlnet = entries["gpt2"], entries["xlnet"]
+    entries = measure_types(["gpt2", "t5gemma2"], data)
+    gpt2, t5gemma2 = entries["gpt2"], entries["t5gemma2"]
     # GPT-2's LayerNorms are measured exact and the measured patchset verifies on its tiny model
     assert gpt2["verified"] is True and "layer_norm" in gpt2["ops"] and gpt2["patches"] >= 1
-    # XLNet's tiny model does not build from its config alone: the row says why
-    assert xlnet["verified"] is None and xlnet["reason"].startswith("its tiny model does not build")
+    # T5Gemma 2's tiny model runs on no token ids alone (an encoder-decoder: decoder ids), nor does its
+    # decoder alone (no model of its own): the row says why
+    assert t5gemma2["verified"] is None and t5gemma2["reason"].startswith("its tiny model does not build")
     assert load_measured(data) == entries  # written after each type: a stopped sweep resumes
-    rows = coverage_rows(["gpt2", "xlnet", "llama"], verify=False, measured=entries)
+    rows = coverage_rows(["gpt2", "t5gemma2", "llama"], verify=False, measured=entries)
     text = render_markdown(rows)
     assert "| gpt2 | measured | yes | - | layer_norm" in text
-    assert "| xlnet | measured | - | - | - |  | its tiny model does not build" in text
+    assert "| t5gemma2 | measured | - | - | - |  | its tiny model does not build" in text
     # the headline counts the generative types patched and verified, bundled or measured
     assert "**1** of the 3 causal-LM and image-text-to-text types" in text and "1 by declarations the scaffold measured" in text
