@@ -37,13 +37,35 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, **sizes}
 
 
+def _agreeing_sizes(shrunk: dict[str, Any], original: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """``shrunk`` with the sizes ``types.yaml`` gives the type where the size rules changed the user's value.
+
+    Why: some types need sizes that agree in ways the name rules do not see (Mistral 4's query head
+    of nope + rope halves: ``head_dim`` 32; xLSTM's cache rounding its qk width up to 64); the rules
+    alone give them a tiny copy that does not run. Only integers, and only where the rules already
+    replaced the user's value: the entries' other keys (a multimodal rope's sections, layer kinds)
+    describe a default config, and would replace what the user's own config says.
+    """
+    out = dict(shrunk)
+    for key, value in entry.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and isinstance(original.get(key), dict):
+            out[key] = _agreeing_sizes(out[key], original[key], value)
+        elif isinstance(value, int) and not isinstance(value, bool) and key in out and out[key] != original.get(key):
+            out[key] = value
+    return out
+
+
 def _shrunk_values(config: Any) -> dict[str, Any]:
-    values = config.to_dict()
+    from engine.tiny.config import type_overrides
+
+    original = config.to_dict()
+    values = dict(original)
     for name in getattr(type(config), "sub_configs", None) or {}:
         sub = values.get(name)
         if isinstance(sub, dict):
             values[name] = _shrink(sub)
     values = _shrink(values)
+    values = _agreeing_sizes(values, original, type_overrides(str(original.get("model_type") or "")))
     values.pop("transformers_version", None)
     return values
 
