@@ -98,3 +98,19 @@ def test_a_page_from_the_cells_so_far_marks_the_cells_carried_over_from_the_prev
             "stacks": {"liger": {"types": ["llama"]}, "patchset": {"types": []}}}
     row = next(line for line in render_markdown(data, png="a.png").splitlines() if line.startswith("| llama "))
     assert row.endswith("| 10 s, bf16 previous audit |"), row
+
+
+def test_a_type_with_one_dtype_measured_runs_the_other_only(tmp_path: Path) -> None:
+    """A worker runs every dtype of the types it is given; the dtype the cells file already holds is not taken
+    again (the resumed run failed on it: 'list.remove(x): x not in list')."""
+    import sys
+
+    from engine.commands.audit_table import _append_cell, _read_cells, _run_cells
+
+    cells_file = tmp_path / "cells.jsonl"
+    _append_cell(cells_file, {"stack": "patchset", "model_type": "no_such_type", "dtype": "fp32", "verdict": "passes",
+                              "text": "from the file", "seconds": 1.0})
+    got = _run_cells(sys.executable, "patchset", ["no_such_type"], ("fp32", "bf16"), 300.0, io.StringIO(),
+                     cells_file=cells_file)
+    assert [(c["dtype"], c["verdict"]) for c in got] == [("fp32", "passes"), ("bf16", "unchecked")]
+    assert sorted(c["dtype"] for c in _read_cells(cells_file)) == ["bf16", "fp32"]

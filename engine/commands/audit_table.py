@@ -215,6 +215,8 @@ def _run_cells(python: str, stack: str, types: list[str], dtypes: tuple[str, ...
             if "start" in data:
                 current, deadline = (data["start"][1], data["start"][2]), time.monotonic() + timeout
                 continue
+            if (data["model_type"], data["dtype"]) not in pending:
+                continue  # a worker runs every dtype of a type: the other dtype's cell came from the cells file
             record(data)
             pending.remove((data["model_type"], data["dtype"]))
             print(f"{stack} {data['model_type']} {data['dtype']}: {data['verdict']} ({data['seconds']} s)",
