@@ -247,3 +247,17 @@ def test_the_audits_tiny_moe_models_have_no_dense_layer_as_released_checkpoints(
     model = tiny_model("qwen3_moe")
     assert model.config.mlp_only_layers == []
     assert {type(layer.mlp).__name__ for layer in model.model.layers} == {"Qwen3MoeSparseMoeBlock"}
+
+
+def test_a_whole_model_difference_no_module_explains_is_never_put_down_to_a_reading() -> None:
+    """Liger's granite logits 7.6e5x off under Triton's interpreter, every module passing: not located, so not
+    'on Triton's interpreter's reading only', and bolded as any finding."""
+    from engine.auditing.report import AuditReport, Row
+    from engine.verification.results import Check
+
+    row = Row("model.norm", "GraniteRMSNorm", "forward replaced", "", "passes", 1e-7, 1.2)
+    logits = Check("<model>", "GraniteForCausalLM", "-", "logits", "fp32", 0.4, 0.1, False)
+    report = AuditReport("liger", "GraniteForCausalLM", "granite", "fp32", rows=[row], model_checks=[logits],
+                         reading="Triton's interpreter")
+    assert report.verdict == "differs" and not report.reading_only
+    assert "reading only" not in report.summary() and "logits differs" in report.summary()

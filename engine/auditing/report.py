@@ -84,9 +84,14 @@ class AuditReport:
 
     @property
     def reading_only(self) -> bool:
-        """It differs, and only by what rests on an interpreter's or emulator's reading (no exact-arithmetic finding)."""
-        return self.verdict == "differs" and bool(self.reading) and not any(
-            r.result == "differs" and not self._on_reading(r) for r in self.rows)
+        """It differs, and only by what rests on an interpreter's or emulator's reading (no exact-arithmetic finding).
+
+        A module row must rest on the reading: a whole-model value that differs while no module does (Liger's
+        granite logits 7.6e5x, a gradient written in place) is not located, so nothing says a reading explains it.
+        """
+        differing = [r for r in self.rows if r.result == "differs"]
+        return (self.verdict == "differs" and bool(self.reading) and bool(differing)
+                and all(self._on_reading(r) for r in differing))
 
     @property
     def judged(self) -> list[Row]:
