@@ -44,9 +44,10 @@ def render_markdown(data: dict[str, Any], *, png: str) -> str:
                          "models, a probe batch of 2 x 16 tokens, training mode; each cell one audit, its time in the "
                          "last column).")]
     if carried:
-        lines[-1] += (f" {len(data['cells']) - carried} cells are this audit's; {carried} are carried over from the "
-                      "previous table (an earlier version of the audit), and the time column says `previous audit` "
-                      "for each of them.")
+        waiting = sum(1 for c in data["cells"] if c["verdict"] == "not run")
+        lines[-1] += (f" {len(data['cells']) - carried - waiting} cells are this audit's; {carried} are carried over "
+                      "from the previous table (an earlier version of the audit), and the time column says `previous "
+                      f"audit` for each of them; {waiting} are not run yet.")
     lines.append("")
     lines += ["| stack | version | transformers | torch | model types claimed | time |", "|---|---|---|---|---|---|"]
     for stack, info in data["stacks"].items():
