@@ -112,7 +112,9 @@ def test_the_committed_sweep_names_every_generative_type_of_its_release() -> Non
 #: XLNet refuses max_position_embeddings, ProphetNet num_hidden_layers (types.yaml: null, not passed),
 #: X-MOD needs a default language adapter, Kolibri 1.1's indexer its own sizes; Mistral 4 and xLSTM need
 #: sizes that agree (types.yaml), which the tiny copy of a user's model takes too (engine/zeroconfig/tiny_copy.py).
-ONCE_UNBUILDABLE = ["xlnet", "prophetnet", "xmod", "kolibri1_1", "mistral4", "xlstm"]
+#: Zamba and dots3's note model: parts whose sizes must agree, which the tiny copy takes from the type's own
+#: tiny config where shrinking by name alone breaks them.
+ONCE_UNBUILDABLE = ["xlnet", "prophetnet", "xmod", "kolibri1_1", "mistral4", "xlstm", "zamba", "dots3_note"]
 
 
 @pytest.mark.parametrize("model_type", ONCE_UNBUILDABLE)

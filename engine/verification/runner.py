@@ -126,7 +126,7 @@ def verify(
             if d.path in captured and d.path not in per_path:
                 inputs = captured.pop(d.path)
                 if d.site is None:
-                    exemplars.setdefault((d.cls, d.op), (d.path, inputs))
+                    exemplars.setdefault((d.cls, d.op, _shapes(named[d.path])), (d.path, inputs))
                 per_path[d.path] = _check_one(d, inputs, model, named, containers, low)
                 shown.step(d.path)
 
@@ -162,8 +162,9 @@ def verify(
             captured.update(capture_inputs(model, rest, batch, held))
         check_captured()
     for d in checked:
-        if d.path not in per_path and d.site is None and (d.cls, d.op) in exemplars:
-            per_path[d.path] = _check_unreached(d, exemplars[(d.cls, d.op)], model, named, containers, low)
+        if d.path not in per_path and d.site is None and (d.cls, d.op, _shapes(named[d.path])) in exemplars:
+            per_path[d.path] = _check_unreached(d, exemplars[(d.cls, d.op, _shapes(named[d.path]))], model, named,
+                                                containers, low)
     for d in checked:
         if d.path in per_path:
             report.checks.extend(per_path[d.path])
@@ -189,6 +190,11 @@ def _check_one(d: Any, inputs: Any, model: nn.Module, named: dict[str, nn.Module
     return verify_function(d, args, kwargs, low)
 
 
+def _shapes(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A module's parameter shapes: a reached module whose inputs fit an unreached one has the same."""
+    return tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+
+
 def _check_unreached(d: Any, exemplar: tuple[str, Any], model: nn.Module, named: dict[str, nn.Module],
                      containers: set[str], low: torch.dtype) -> list[Check]:
     """A patched module the forward never reached, checked on the inputs a reached one of its class got.
@@ -197,7 +203,9 @@ def _check_unreached(d: Any, exemplar: tuple[str, Any], model: nn.Module, named:
     of an encoder-decoder's decoder (BART, Whisper, Marian) run only with encoder states, which its
     causal-LM class never passes. Called on another instance's recorded inputs it is checked as
     strictly as one that ran (declaration and kernel, on its own weights); the ``called`` row says
-    so. Where those inputs do not fit it (another width), it stays a failure: nothing verified it.
+    so. The inputs are those of a reached module with the same parameter shapes (an audio tower's
+    norms of another width than the text layers' are not fed the text layers' inputs); with none,
+    or where the inputs still do not fit it, it stays a failure: nothing verified it.
     """
     source, inputs = exemplar
     module = named[d.path]

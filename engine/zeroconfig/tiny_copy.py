@@ -70,9 +70,38 @@ def _shrunk_values(config: Any) -> dict[str, Any]:
     return values
 
 
-def shrunk_config(config: Any) -> Any:
-    """A config of ``type(config)`` with its sizes (and those of its sub-configs: text, vision) shrunk."""
-    small = type(config).from_dict(_shrunk_values(config))
+def _with_type_sizes(config: Any) -> dict[str, Any] | None:
+    """The user's values with every size the type's own tiny config sets, for a copy the rules alone cannot build.
+
+    Why: a composite's parts must agree across sub-configs (a vision tower's ``out_hidden_size`` is
+    the text model's width; a hybrid's layer counts sum to ``num_hidden_layers``), which shrinking
+    each part by name breaks. :func:`engine.tiny.config.derive_tiny_config` knows those agreements
+    for the types transformers ships (that is what builds them for coverage and ``verify``), so
+    where the rules' copy does not build, its sizes go over the user's values: the user's
+    activations, norms and rope kind stay. Only for transformers' own config class of the type
+    (``None`` otherwise: remote code has no derived config to trust).
+    """
+    from transformers import CONFIG_MAPPING
+
+    from engine.tiny.config import derive_tiny_config, merged
+
+    model_type = str(getattr(config, "model_type", "") or "")
+    if model_type not in CONFIG_MAPPING or CONFIG_MAPPING[model_type] is not type(config):
+        return None
+    values = merged(_shrunk_values(config), derive_tiny_config(model_type))
+    return {k: v for k, v in values.items() if v is not None or k not in BASE_KWARGS}
+
+
+def shrunk_config(config: Any, *, by_type: bool = False) -> Any:
+    """A config of ``type(config)`` with its sizes (and those of its sub-configs: text, vision) shrunk.
+
+    ``by_type``: with the type's own tiny sizes over them (:func:`_with_type_sizes`).
+    """
+    values = _with_type_sizes(config) if by_type else _shrunk_values(config)
+    if values is None:
+        raise InvalidArgument(f"{type(config).__name__} is not transformers' config class of its type: no tiny sizes "
+                              "of the type to build it with")
+    small = type(config).from_dict(values)
     small._attn_implementation = "eager"
     for name in getattr(type(small), "sub_configs", None) or {}:
         sub = getattr(small, name, None)
@@ -92,7 +121,16 @@ def tiny_copy(model: nn.Module, *, seed: int = 0) -> nn.Module:
     if config is None or not hasattr(cls, "_from_config"):
         raise InvalidArgument(f"{cls.__name__} is no transformers PreTrainedModel (no config, no _from_config): "
                               "nothing to build a tiny copy from; name a patchset")
-    small = shrunk_config(config)
+    try:
+        return _built(cls, shrunk_config(config), seed)
+    except Exception as first:  # noqa: BLE001  (sizes that must agree across parts: the type's own tiny sizes)
+        try:
+            return _built(cls, shrunk_config(config, by_type=True), seed)
+        except Exception:  # noqa: BLE001
+            raise first from None
+
+
+def _built(cls: type, small: Any, seed: int) -> nn.Module:
     with own_construction("cpu"):
         with torch.device("meta"):
             shape = cls._from_config(small)
