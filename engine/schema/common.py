@@ -37,6 +37,19 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """Unpickling: a field added since the object was pickled takes its default.
+
+        Why: a model patched and pickled by an earlier engine holds its patches' declarations;
+        loaded by this one, a setting added since (``weight_required``) would otherwise be missing
+        from the object, and the forward that reads it would fail on the first call.
+        """
+        super().__setstate__(state)
+        values = self.__dict__
+        for name, info in type(self).model_fields.items():
+            if name not in values and not info.is_required():
+                values[name] = info.get_default(call_default_factory=True)
+
 
 class Device(StrEnum):
     """Accelerator types a kernel can be chosen for."""
