@@ -35,6 +35,7 @@ from engine.planning import fused_head
 from engine.runtime.hub_functions import torch_path
 from engine.runtime.wrappers import unwrap
 from engine.verification.compare import DTYPE_NAMES, compare, max_abs, max_abs_diff
+from engine.verification.gradient_hooks import _judge_gradients, _no_checkpointing, _taking_gradients, hold
 from engine.verification.results import Check
 from engine.verification.truth import GradientSink, fp64_truth
 from engine.verification.truth_layers import recomputed_layers
@@ -112,11 +113,6 @@ class Alongside:
     during_original: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     after_original: Callable[[], None] = lambda: None
     during_patched: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-
-
-def hold(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` detached, on ``device`` (no copy where it already is)."""
-    return t.detach().to(device)
 
 
 def compare_models(
@@ -324,71 +320,6 @@ def surrogate_loss(hidden: torch.Tensor) -> torch.Tensor:
     causal LM.
     """
     return hidden.float().square().mean()
-
-
-@contextlib.contextmanager
-def _taking_gradients(model: nn.Module, into: dict[str, torch.Tensor], held: torch.device) -> Iterator[None]:
-    """Each gradient of the run, moved out of ``.grad`` into ``into`` (on ``held``) as soon as autograd has accumulated it.
-
-    Why as it arrives, not after the backward: on an accelerator with the gradients held on the
-    host, the device then never holds more than the gradients autograd is still forming.
-    """
-
-    def take(p: torch.Tensor, name: str) -> None:
-        if p.grad is not None:
-            into[name] = hold(p.grad, held)
-            p.grad = None
-
-    with _on_gradient(dict(model.named_parameters()), take):
-        yield
-
-
-@contextlib.contextmanager
-def _judge_gradients(params: dict[str, nn.Parameter], grads: Grads) -> Iterator[None]:
-    """Compare each patched gradient with the original's when autograd has accumulated it, then drop it."""
-
-    def hook(p: torch.Tensor, name: str) -> None:
-        mine, theirs = p.grad, grads.original.get(name)
-        p.grad = None
-        if mine is None:
-            return
-        if theirs is None:
-            grads.missing[name] = "no gradient in the original model"
-            return
-        grads.diff[name] = compare(mine, theirs)
-
-    with _on_gradient(params, hook):
-        yield
-
-
-@contextlib.contextmanager
-def _on_gradient(params: dict[str, nn.Parameter], fn: Callable[[torch.Tensor, str], None]) -> Iterator[None]:
-    """``fn(param, name)`` each time autograd has accumulated a gradient of ``params``, while the block runs."""
-    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: fn(p, name))
-               for name, p in params.items() if p.requires_grad]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def _no_checkpointing(model: nn.Module) -> Iterator[None]:
-    """transformers' gradient checkpointing off for the truth run, restored after.
-
-    Why: a checkpointed layer recomputes its forward during backward, outside the fp64 mode, so
-    the recomputation would meet fp64 activations with fp32 weights. Checkpointing changes memory,
-    not values, so the truth is the same without it.
-    """
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    for m in layers:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.gradient_checkpointing = True
 
 
 def _truth_run(
