@@ -19,7 +19,7 @@ import torch
 from conftest import tiny_for
 
 import engine
-from engine.verification import models, probe_batch
+from engine.verification import gradient_hooks, models, probe_batch
 from engine.verification import truth as truth_mod
 from engine.verification.compare import compare
 from engine.verification.truth import GradientSink, fp64_truth
@@ -208,6 +208,7 @@ def test_each_held_buffer_lives_on_the_holding_device_and_gradients_leave_the_mo
             return out
 
         monkeypatch.setattr(models, "hold", spy)
+        monkeypatch.setattr(gradient_hooks, "hold", spy)  # the original's gradients, held as autograd makes them
         report = engine.verify(model, batch=batch, offload="host")
     finally:
         engine.revert(model)
