@@ -19,6 +19,7 @@ from torch import nn
 from engine.errors import InvalidArgument, PatchsetError, VersionMismatch
 from engine.runtime.release import bundled_covering, check_release
 from engine.tiny.construction import own_construction
+from engine.tiny.vision_inputs import image_features, tiny_vision_inputs, vision_only_inputs
 
 __all__ = [
     "build_tiny_for",
@@ -357,7 +358,3 @@ def build_tiny_for(
             f"Fix the values (keyword arguments of AutoConfig.for_model({mt!r}))", file=file, key="tiny_model.config",
         ) from exc
     return model
-
-
-# What a vision tower is fed (a module of its own); importable from here as before.
-from engine.tiny.vision_inputs import image_features, tiny_vision_inputs, vision_only_inputs  # noqa: E402
