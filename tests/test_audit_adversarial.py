@@ -281,3 +281,62 @@ def test_a_backward_only_change_never_explains_logits_that_moved() -> None:
 
     assert report(0.0).verdict == "passes"
     assert report(1e-7).verdict == "differs" and "cannot see" in report(1e-7).summary()
+
+
+class _WritesIntoItsGradient(torch.autograd.Function):
+    """A norm's own forward, with a backward that returns its input's gradient in the buffer of its output's (as
+    Liger's RMSNorm does with ``in_place=True``): every number right, the buffer it was handed overwritten."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, forward: Any) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.forward = weight, forward
+        with torch.no_grad():
+            return forward(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            dx, dw = torch.autograd.grad(ctx.forward(x), (x, ctx.weight), grad)
+        grad.copy_(dx)
+        return grad, dw, None
+
+
+def norms_writing_into_their_gradient(cls_name: str) -> Any:
+    import types
+
+    def patch(model: nn.Module) -> None:
+        for m in model.modules():
+            if type(m).__name__ == cls_name:
+                own = type(m).forward.__get__(m)
+                m.forward = types.MethodType(lambda self, x, _own=own: _WritesIntoItsGradient.apply(x, self.weight, _own), m)
+    return patch
+
+
+def test_a_backward_writing_into_a_gradient_a_residual_shares_names_the_modules_where_it_sits() -> None:
+    """twinkle's OLMo 2: Liger's in-place RMSNorm backward. Every module's forward and backward computes the
+    original's numbers on a cotangent of its own; in the model, the post-norms sit inside ``residual + norm(...)``,
+    whose add hands one gradient tensor to both branches, and the norm overwrites the residual's. The audit names
+    those norms (the whole model passes with their gradient copied first) and leaves the harmless ones passing."""
+    olmo2 = tiny_for("olmo2").train()
+    report = audit(olmo2, norms_writing_into_their_gradient("Olmo2RMSNorm"))
+    blamed = {r.path.rsplit(".", 1)[-1] for r in _rows(report)}
+    assert blamed == {"post_attention_layernorm", "post_feedforward_layernorm"}, report.summary()
+    assert all(r.evidence == "in-place gradient" and "overwrites" in r.note for r in _rows(report))
+    harmless = [r for r in report.rows if r.path.endswith(("q_norm", "k_norm")) or r.path == "model.norm"]
+    assert harmless and all(r.result in ("same", "passes") and "harmless where it sits" in r.note for r in harmless)
+    assert report.verdict == "differs" and not report.reading_only
+    assert "grads differs" in report.summary() and "Olmo2RMSNorm differs" in report.summary()
+
+
+def test_a_backward_writing_into_a_gradient_nothing_shares_passes_with_a_note(qwen3) -> None:
+    """The same write on qwen3's pre-norms: the norm's output gradient is a sum no one else holds. Nothing is blamed
+    on the write and every whole-model check passes (the gradients, recomputed by this test's backward, are not
+    bit-identical: that alone is the audit's "a change the detector cannot see", not this write)."""
+    report = audit(qwen3, norms_writing_into_their_gradient("Qwen3RMSNorm"))
+    assert all(c.passed for c in report.model_checks), report.summary()
+    assert not [r for r in report.rows if r.evidence == "in-place gradient"], report.summary()
+    noted = [r for r in report.rows if "writes into its output's gradient in place" in r.note]
+    assert noted and all("harmless in this model" in r.note for r in noted)

@@ -36,6 +36,10 @@ class BackwardResult:
         self.within: dict[str, float] = {}
         self.max_abs = 0.0
         self.problem: str | None = None
+        #: its backward wrote into the gradient of its output it was given (Liger's ``in_place=True``): harmless
+        #: where nothing else holds that gradient, wrong where a residual add hands it to a second branch
+        #: (:mod:`engine.auditing.shared_gradients` asks the whole model which)
+        self.writes_gradient = False
 
     def within_text(self) -> str:
         """A backward that passes without being bit-equal: which gradients, by how much."""
@@ -53,9 +57,11 @@ class BackwardResult:
         return f"forward {forward}, backward differs: {shown}{more} the original's own error"
 
 
-def _gradients(module: nn.Module, args: Any, kwargs: Any,
-               cotangents: list[torch.Tensor] | None) -> tuple[dict[str, torch.Tensor | None], list[torch.Tensor]]:
-    """Forward and backward of ``module`` on copies of the inputs: gradients by name, and the cotangents used."""
+def _gradients(module: nn.Module, args: Any, kwargs: Any, cotangents: list[torch.Tensor] | None,
+               written: list[bool] | None = None) -> tuple[dict[str, torch.Tensor | None], list[torch.Tensor]]:
+    """Forward and backward of ``module`` on copies of the inputs: gradients by name, and the cotangents used.
+
+    ``written``: a list that gets ``True`` appended when the backward changed a cotangent it was handed."""
     a, k = clone_tensors(args), clone_tensors(kwargs)
     inputs = [t for t in tensors_of((a, k)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     for t in inputs:
@@ -70,8 +76,11 @@ def _gradients(module: nn.Module, args: Any, kwargs: Any,
     if not outs:
         return {}, cotangents
     wrt = inputs + list(params.values())
-    grads = torch.autograd.grad(outs, wrt, [c.to(o.dtype).to(o.device) for c, o in zip(cotangents, outs, strict=False)],
-                                allow_unused=True)
+    given = [c.to(device=o.device, dtype=o.dtype, copy=True) for c, o in zip(cotangents, outs, strict=False)]
+    kept = [g.clone() for g in given]
+    grads = torch.autograd.grad(outs, wrt, given, allow_unused=True)
+    if written is not None and any(not torch.equal(g, k) for g, k in zip(given, kept, strict=True)):
+        written.append(True)
     names = [f"input{i}" for i in range(len(inputs))] + [n for n in params]
     return {n: (g.detach() if g is not None else None) for n, g in zip(names, grads, strict=True)}, cotangents
 
@@ -110,8 +119,10 @@ def judge_backward(patched: nn.Module, original: nn.Module, rec: Any, device: to
     except Exception as exc:  # noqa: BLE001  (an original without a backward here: nothing to compare with)
         result.problem = f"the original's backward raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         return result
+    written: list[bool] = []
     try:
-        got, _ = _gradients(patched, args, kwargs, cot)
+        got, _ = _gradients(patched, args, kwargs, cot, written)
+        result.writes_gradient = bool(written)
     except Exception as exc:  # noqa: BLE001  (a kernel whose backward cannot run here: unchecked, never passed)
         result.problem = f"the patched backward raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         return result

@@ -53,6 +53,8 @@ class Row:
     evidence: str = ""   # "exact arithmetic" (another declaration, to the ulp), or the reading it rests on
     #: its forward is bit-equal and it passes by its backward (not bit-equal, within the rounding error) only
     forward_same: bool = False
+    #: its backward check saw it write into the gradient it was given (:mod:`engine.auditing.shared_gradients`)
+    writes_gradient: bool = False
 
 
 @dataclass
@@ -78,8 +80,8 @@ class AuditReport:
         """Whether a finding rests on the reading: a number of a kernel it ran, not another declaration reproduced
         (Triton's interpreter runs a kernel's own casts; the NPU emulator rounds each op once, a guess the NPU's
         documentation leaves open, so a finding in where it rounds rests on that reading too)."""
-        if not self.reading or row.evidence == "exact arithmetic":
-            return False
+        if not self.reading or row.evidence in ("exact arithmetic", "in-place gradient"):
+            return False  # another declaration to the ulp, or a write into a shared buffer: no rounding reading
         return row.evidence != "rounding order" or self.reading in ROUNDING_READINGS
 
     @property

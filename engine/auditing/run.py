@@ -36,6 +36,7 @@ from engine.auditing.judging import judge_change, judge_registry
 from engine.auditing.process_state import ProcessState
 from engine.auditing.recording import Recorded, containers, measure, recording
 from engine.auditing.report import AuditReport
+from engine.auditing.shared_gradients import locate_shared_gradient
 from engine.auditing.whole_model import OriginalRun, judge_patched, measure_original
 from engine.runtime.hub_functions import torch_body
 from engine.runtime.wrappers import unwrap
@@ -182,6 +183,9 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
         return
     report.model_checks = checks
     report.model_ratios = _model_ratios(checks)
+    locate_shared_gradient(report.rows, checks, mine,
+                           lambda: judge_patched(patched, original.batch, original.whole, original.held),
+                           report.model_ratios.get("grads"))
 
 
 def _sampled(change: Any, named: dict[str, nn.Module]) -> bool:
@@ -197,6 +201,7 @@ def _backward(row: Any, patched: Any, original: Any, rec: Any, device: torch.dev
     if not isinstance(patched, nn.Module) or not isinstance(original, nn.Module):
         return
     result = judge_backward(patched, original, rec, device, state.suspended)
+    row.writes_gradient = result.writes_gradient
     if result.problem:
         row.note = (row.note + "; " if row.note else "") + result.text()
     elif result.differs:
