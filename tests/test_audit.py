@@ -261,3 +261,17 @@ def test_a_whole_model_difference_no_module_explains_is_never_put_down_to_a_read
                          reading="Triton's interpreter")
     assert report.verdict == "differs" and not report.reading_only
     assert "reading only" not in report.summary() and "logits differs" in report.summary()
+
+
+def test_a_module_given_a_cache_is_judged_on_the_cache_as_it_was_when_called() -> None:
+    """A composite model (LLaVA's language model: ``use_cache`` on in training) hands each attention the run's cache,
+    which the run goes on to fill. Recorded by reference, the attention run again saw its own keys twice (48 keys for
+    16 queries) and our own patchset's attention rows were 'unchecked'; each run now gets a copy of the cache as it
+    was when the attention was called."""
+    from engine.commands.audit import tiny_model
+
+    report = audit(tiny_model("llava", torch.float32).train(), "patchset:llava")
+    attention = [r for r in report.rows if r.cls == "LlamaAttention"]
+    assert attention and all(r.result == "same" for r in attention), report.summary()
+    assert report.verdict == "passes"
+    assert not [r for r in report.rows if r.result == "unchecked"], report.summary()

@@ -8,7 +8,9 @@ for callers that compare two kernels directly (tests, the scaffold's bit-exact s
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,14 +95,49 @@ def is_exact(result: tuple[float, float, bool]) -> bool:
 
 
 def clone_tensors(value: Any) -> Any:
-    """Tensors cloned (nested in tuples, lists and dicts): inputs a kernel may write in place."""
+    """Tensors cloned (nested in tuples, lists and dicts): inputs a kernel may write in place.
+
+    A transformers ``Cache`` is copied whole: an attention appends its keys to the one it is given, so a
+    module run twice on one recorded cache would see its own keys twice (48 keys for 16 queries)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
+    if _is_cache(value):
+        return copy_cache(value)
     if isinstance(value, (tuple, list)):
         return type(value)(clone_tensors(v) for v in value)
     if isinstance(value, dict):
         return {k: clone_tensors(v) for k, v in value.items()}
     return value
+
+
+def _is_cache(value: Any) -> bool:
+    """A ``transformers.cache_utils.Cache`` (none can exist before that module is imported: no import here)."""
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    return cache is not None and isinstance(value, cache)
+
+
+def copy_cache(cache: Any) -> Any:
+    """A deep copy of a cache whose tensors are detached copies (a graph's tensors refuse ``deepcopy``)."""
+    memo: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def collect(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            memo[id(obj)] = obj.detach().clone()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                collect(v)
+        elif isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                collect(v)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            collect(vars(obj))
+
+    collect(cache)
+    return copy.deepcopy(cache, memo)
 
 
 def move_tensors(value: Any, device: torch.device | None) -> Any:
