@@ -31,6 +31,7 @@ from engine.verification.models import (
     truth_run,
 )
 from engine.verification.results import Check
+from engine.verification.routing import RoutingLog, judged_with_routing_pinned, routes
 from engine.verification.verdicts import Grads, grads_check, loss_noise, value_check
 
 __all__ = ["OriginalRun", "judge_patched", "measure_original"]
@@ -47,6 +48,8 @@ class OriginalRun:
     grads: Grads
     truth: dict[str, torch.Tensor] = field(default_factory=dict)
     rounded: list[str] = field(default_factory=list)
+    #: the experts its routers chose (a model that routes): what a failed judgement pins the patched run to
+    routing: RoutingLog | None = None
 
 
 @contextlib.contextmanager
@@ -67,12 +70,14 @@ def measure_original(model: nn.Module, batch: dict[str, Any], held: torch.device
                      during: contextlib.AbstractContextManager[Any] | None = None) -> OriginalRun:
     """The original's run (``during`` it: the modules' recording) and its fp64 truth, on the unpatched model."""
     grads = Grads()
+    routing = RoutingLog() if routes(model) else None
     with _own_grads(model):
-        with torch_path(model), taking_gradients(model, grads.original, held), during or contextlib.nullcontext():
+        with (torch_path(model), taking_gradients(model, grads.original, held), during or contextlib.nullcontext(),
+              routing.recording() if routing is not None else contextlib.nullcontext()):
             out = run(model, batch)
         head = "logits" if "logits" in out else "last_hidden_state"
         original = OriginalRun(head, DTYPE_NAMES.get(out[head].dtype, str(out[head].dtype)), hold(out[head], held),
-                               hold(out["loss"], held), grads)
+                               hold(out["loss"], held), grads, routing=routing)
         del out
 
         def keep(values: dict[str, Any]) -> None:  # clones: the truth's backward may write its gradient into them
@@ -84,7 +89,17 @@ def measure_original(model: nn.Module, batch: dict[str, Any], held: torch.device
 
 
 def judge_patched(patched: nn.Module, batch: dict[str, Any], original: OriginalRun, held: torch.device) -> list[Check]:
-    """Logits, loss and gradients of ``patched`` against the measured original, judged as ``verify`` judges them."""
+    """Logits, loss and gradients of ``patched`` against the measured original, judged as ``verify`` judges them;
+    where they fail in a model that routes, judged again with its experts chosen as the original chose them."""
+    checks = _judge_patched(patched, batch, original, held)
+    if all(c.passed for c in checks) or original.routing is None:
+        return checks
+    log = original.routing
+    return judged_with_routing_pinned(checks, log, lambda: _judge_patched(patched, batch, original, held, log.pinning))
+
+
+def _judge_patched(patched: nn.Module, batch: dict[str, Any], original: OriginalRun, held: torch.device,
+                   during: Any = contextlib.nullcontext) -> list[Check]:
     cls, head = type(patched).__name__, original.head
     params = dict(patched.named_parameters())
     grads = Grads(original=original.grads.original, noise=original.grads.noise)  # diff and missing are this patch's
@@ -94,7 +109,7 @@ def judge_patched(patched: nn.Module, batch: dict[str, Any], original: OriginalR
         if out.get(head) is not None:
             taken[head] = hold(out[head], held)
 
-    with _own_grads(patched), judging_gradients(params, grads):
+    with _own_grads(patched), judging_gradients(params, grads), during():
         out = run(patched, batch, between=between)
     what = head
     if head not in taken:  # a fused head + loss makes no logits in training: the generation path's

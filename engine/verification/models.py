@@ -37,6 +37,7 @@ from engine.runtime.wrappers import unwrap
 from engine.verification.compare import DTYPE_NAMES, compare, max_abs, max_abs_diff
 from engine.verification.gradient_hooks import _judge_gradients, _no_checkpointing, _taking_gradients, hold
 from engine.verification.results import Check
+from engine.verification.routing import RoutingLog, judged_with_routing_pinned, routes
 from engine.verification.truth import GradientSink, fp64_truth
 from engine.verification.truth_layers import recomputed_layers
 from engine.verification.verdicts import Grads, Seen, grads_check, loss_noise, value_check
@@ -132,7 +133,16 @@ def compare_models(
     for p in every.values():
         p.grad = None
     try:
-        return _compare(patched, batch, reference, params, holding_device(patched, offload), alongside or Alongside())
+        held = holding_device(patched, offload)
+        checks = _compare(patched, batch, reference, params, held, alongside or Alongside())
+        if all(c.passed for c in checks) or not routes(reference if reference is not None else patched):
+            return checks
+        for p in every.values():
+            p.grad = None
+        log = RoutingLog()
+        return judged_with_routing_pinned(checks, log, lambda: _compare(
+            patched, batch, reference, params, held, Alongside(during_original=log.recording,
+                                                               during_patched=log.pinning)))
     finally:
         for key, p in every.items():
             p.grad = user_grads[key]
