@@ -47,6 +47,21 @@ def test_twinkle_default_map_on_an_emulated_npu() -> None:
     assert code == 0
 
 
+@pytest.mark.skipif(importlib.util.find_spec("twinkle") is None or importlib.util.find_spec("liger_kernel") is None,
+                    reason="twinkle with liger-kernel importable (its liger fallbacks) is not installed here")
+def test_twinkle_olmo2_in_place_norm_backward_is_named_where_a_residual_shares_its_gradient() -> None:
+    """twinkle maps OLMo 2 to Liger's RMSNorm with ``in_place=True``: the post-norms inside ``residual + norm(...)``
+    overwrite the residual's gradient (1.2e6x). It was 'grads differs' with no module named; now the two post-norm
+    roles are, and the norms that write in place harmlessly (q_norm, k_norm, model.norm) are not."""
+    code, out = _run("olmo2", "--with", "twinkle", "--detail")
+    assert code == 1, out
+    assert re.search(r"Olmo2RMSNorm differs \([0-9.e+]+x\): its backward writes its input's gradient into its "
+                     r"output's gradient in place", out), out
+    blamed = {line.split()[0].rsplit(".", 1)[-1] for line in out.splitlines()
+              if "Olmo2RMSNorm" in line and " differs " in line and line.startswith("model.")}
+    assert blamed == {"post_attention_layernorm", "post_feedforward_layernorm"}, out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("kernels") is None or importlib.util.find_spec("liger_kernel") is None,
                     reason="HF kernels and liger-kernel are not both installed here")
