@@ -340,3 +340,44 @@ def test_a_backward_writing_into_a_gradient_nothing_shares_passes_with_a_note(qw
     assert not [r for r in report.rows if r.evidence == "in-place gradient"], report.summary()
     noted = [r for r in report.rows if "writes into its output's gradient in place" in r.note]
     assert noted and all("harmless in this model" in r.note for r in noted)
+
+
+class _CrossEntropyStoringItsGradient(torch.autograd.Function):
+    """torch's cross-entropy, its gradient stored in its input (as Liger's cross_entropy does to save memory)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_(True)
+            loss = _TORCH_CROSS_ENTROPY(leaf, target, **kwargs)
+            (grad,) = torch.autograd.grad(loss, leaf)
+        logits.data.copy_(grad)  # the write: behind autograd's back, as a kernel's pointer write is
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None
+
+
+_TORCH_CROSS_ENTROPY = torch.nn.functional.cross_entropy
+
+
+def cross_entropy_writing_into_the_logits(model: nn.Module) -> None:
+    torch.nn.functional.cross_entropy = lambda input, target, **kw: _CrossEntropyStoringItsGradient.apply(input, target, kw)
+
+
+def test_a_loss_that_stores_its_gradient_in_the_logits_is_named(qwen3) -> None:
+    """Liger's granite in fp32: loss and every gradient right, the returned logits overwritten (7.6e5x), no change
+    named. A library function is judged by the whole model only; copying its arguments in a rerun locates it."""
+    try:
+        report = audit(qwen3, cross_entropy_writing_into_the_logits)
+        restored = torch.nn.functional.cross_entropy is _TORCH_CROSS_ENTROPY  # the audit put it back itself
+    finally:
+        torch.nn.functional.cross_entropy = _TORCH_CROSS_ENTROPY
+    [row] = [r for r in report.rows if r.path == "torch.nn.functional.cross_entropy"]
+    assert row.result == "differs" and row.evidence == "in-place input" and "writes into a tensor" in row.note
+    checks = {c.what.split(" ")[0]: c.passed for c in report.model_checks}
+    assert checks == {"logits": False, "loss": True, "grads": True}, report.summary()
+    assert restored

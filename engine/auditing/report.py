@@ -80,7 +80,7 @@ class AuditReport:
         """Whether a finding rests on the reading: a number of a kernel it ran, not another declaration reproduced
         (Triton's interpreter runs a kernel's own casts; the NPU emulator rounds each op once, a guess the NPU's
         documentation leaves open, so a finding in where it rounds rests on that reading too)."""
-        if not self.reading or row.evidence in ("exact arithmetic", "in-place gradient"):
+        if not self.reading or row.evidence in ("exact arithmetic", "in-place gradient", "in-place input"):
             return False  # another declaration to the ulp, or a write into a shared buffer: no rounding reading
         return row.evidence != "rounding order" or self.reading in ROUNDING_READINGS
 

@@ -37,6 +37,7 @@ from engine.auditing.process_state import ProcessState
 from engine.auditing.recording import Recorded, containers, measure, recording
 from engine.auditing.report import AuditReport
 from engine.auditing.shared_gradients import locate_shared_gradient
+from engine.auditing.written_inputs import locate_written_inputs
 from engine.auditing.whole_model import OriginalRun, judge_patched, measure_original
 from engine.runtime.hub_functions import torch_body
 from engine.runtime.wrappers import unwrap
@@ -186,6 +187,9 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
     locate_shared_gradient(report.rows, checks, mine,
                            lambda: judge_patched(patched, original.batch, original.whole, original.held),
                            report.model_ratios.get("grads"))
+    locate_written_inputs(report.rows, checks, {c.where: c for c in process},
+                          lambda: judge_patched(patched, original.batch, original.whole, original.held),
+                          report.model_ratios)
 
 
 def _sampled(change: Any, named: dict[str, nn.Module]) -> bool:
