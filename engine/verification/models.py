@@ -139,7 +139,7 @@ def compare_models(
             return checks
         for p in every.values():
             p.grad = None
-        log = RoutingLog()
+        log = RoutingLog(next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32))
         return judged_with_routing_pinned(checks, log, lambda: _compare(
             patched, batch, reference, params, held, Alongside(during_original=log.recording,
                                                                during_patched=log.pinning)))
