@@ -58,10 +58,9 @@ class BackwardResult:
 
 
 def _gradients(module: nn.Module, args: Any, kwargs: Any, cotangents: list[torch.Tensor] | None,
-               written: list[bool] | None = None) -> tuple[dict[str, torch.Tensor | None], list[torch.Tensor]]:
-    """Forward and backward of ``module`` on copies of the inputs: gradients by name, and the cotangents used.
-
-    ``written``: a list that gets ``True`` appended when the backward changed a cotangent it was handed."""
+               ) -> tuple[dict[str, torch.Tensor | None], list[torch.Tensor], bool]:
+    """Forward and backward of ``module`` on copies of the inputs: gradients by name, the cotangents used, and
+    whether the backward wrote into a cotangent it was handed."""
     a, k = clone_tensors(args), clone_tensors(kwargs)
     inputs = [t for t in tensors_of((a, k)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     for t in inputs:
@@ -74,15 +73,14 @@ def _gradients(module: nn.Module, args: Any, kwargs: Any, cotangents: list[torch
         gen = torch.Generator().manual_seed(1234)
         cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
     if not outs:
-        return {}, cotangents
+        return {}, cotangents, False
     wrt = inputs + list(params.values())
     given = [c.to(device=o.device, dtype=o.dtype, copy=True) for c, o in zip(cotangents, outs, strict=False)]
     kept = [g.clone() for g in given]
     grads = torch.autograd.grad(outs, wrt, given, allow_unused=True)
-    if written is not None and any(not torch.equal(g, k) for g, k in zip(given, kept, strict=True)):
-        written.append(True)
+    wrote = any(not torch.equal(g, k) for g, k in zip(given, kept, strict=True))
     names = [f"input{i}" for i in range(len(inputs))] + [n for n in params]
-    return {n: (g.detach() if g is not None else None) for n, g in zip(names, grads, strict=True)}, cotangents
+    return {n: (g.detach() if g is not None else None) for n, g in zip(names, grads, strict=True)}, cotangents, wrote
 
 
 def _truth(original: nn.Module, args: Any, kwargs: Any, cotangents: list[torch.Tensor]) -> dict[str, Any]:
@@ -114,15 +112,13 @@ def judge_backward(patched: nn.Module, original: nn.Module, rec: Any, device: to
     args, kwargs = move_tensors(rec.args, device), move_tensors(rec.kwargs, device)
     try:
         with original_process():
-            want, cot = _gradients(original, args, kwargs, None)
+            want, cot, _ = _gradients(original, args, kwargs, None)
             truth = _truth(original, args, kwargs, cot)
     except Exception as exc:  # noqa: BLE001  (an original without a backward here: nothing to compare with)
         result.problem = f"the original's backward raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         return result
-    written: list[bool] = []
     try:
-        got, _ = _gradients(patched, args, kwargs, cot, written)
-        result.writes_gradient = bool(written)
+        got, _, result.writes_gradient = _gradients(patched, args, kwargs, cot)
     except Exception as exc:  # noqa: BLE001  (a kernel whose backward cannot run here: unchecked, never passed)
         result.problem = f"the patched backward raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         return result

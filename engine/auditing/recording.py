@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.runtime import routing
 from engine.runtime.hub_functions import torch_body
-from engine.verification.compare import _is_cache, clone_tensors, copy_cache, move_tensors
+from engine.verification.compare import clone_tensors, copy_cache, is_cache, move_tensors
 from engine.verification.random_state import same_draws
 from engine.verification.truth import fp64_truth
 
@@ -73,7 +73,7 @@ def recording(
 
         def hook(_m: nn.Module, args: Any, kwargs: Any, _path: str = path) -> None:
             if _path not in into:  # a cache as it is now (the run goes on to fill it); tensors detached, not copied
-                kept = {k: copy_cache(v) if _is_cache(v) else v for k, v in kwargs.items() if k != "labels"}
+                kept = {k: copy_cache(v) if is_cache(v) else v for k, v in kwargs.items() if k != "labels"}
                 into[_path] = Recorded(*_held((args, kept), held))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))

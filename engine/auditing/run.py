@@ -184,12 +184,11 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
         return
     report.model_checks = checks
     report.model_ratios = _model_ratios(checks)
-    locate_shared_gradient(report.rows, checks, mine,
-                           lambda: judge_patched(patched, original.batch, original.whole, original.held),
-                           report.model_ratios.get("grads"))
-    locate_written_inputs(report.rows, checks, {c.where: c for c in process},
-                          lambda: judge_patched(patched, original.batch, original.whole, original.held),
-                          report.model_ratios)
+    def rerun() -> list[Any]:  # the same checks again, inside a locator's context
+        return judge_patched(patched, original.batch, original.whole, original.held)
+
+    locate_shared_gradient(report.rows, checks, mine, rerun, report.model_ratios.get("grads"))
+    locate_written_inputs(report.rows, checks, {c.where: c for c in process}, rerun, report.model_ratios)
 
 
 def _sampled(change: Any, named: dict[str, nn.Module]) -> bool:

@@ -20,9 +20,8 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
 from engine.auditing.process_state import ProcessChange
+from engine.verification.compare import clone_tensors
 from engine.verification.results import Check
 
 __all__ = ["locate_written_inputs"]
@@ -35,8 +34,7 @@ def _given_copies(change: ProcessChange) -> Iterator[None]:
 
     @functools.wraps(patched)
     def copying(*args: Any, **kwargs: Any) -> Any:
-        copy = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        return patched(*(copy(a) for a in args), **{k: copy(v) for k, v in kwargs.items()})
+        return patched(*clone_tensors(args), **clone_tensors(kwargs))
 
     setattr(change.holder, change.key, copying)
     try:

@@ -101,7 +101,7 @@ def clone_tensors(value: Any) -> Any:
     module run twice on one recorded cache would see its own keys twice (48 keys for 16 queries)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if _is_cache(value):
+    if is_cache(value):
         return copy_cache(value)
     if isinstance(value, (tuple, list)):
         return type(value)(clone_tensors(v) for v in value)
@@ -110,10 +110,13 @@ def clone_tensors(value: Any) -> Any:
     return value
 
 
-def _is_cache(value: Any) -> bool:
-    """A ``transformers.cache_utils.Cache`` (none can exist before that module is imported: no import here)."""
+def is_cache(value: Any) -> bool:
+    """A model's cache: a ``transformers.cache_utils.Cache``, or an object whose class names itself one (remote
+    code's and the hybrid models' own caches do not all derive from ``Cache``)."""
+    if value is None or isinstance(value, (torch.Tensor, int, float, bool, str)):
+        return False
     cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
-    return cache is not None and isinstance(value, cache)
+    return (cache is not None and isinstance(value, cache)) or "cache" in type(value).__name__.lower()
 
 
 def copy_cache(cache: Any) -> Any:

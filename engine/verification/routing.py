@@ -3,14 +3,14 @@
 Why: an MoE router picks each token's experts with ``topk`` over its scores. Two scores within
 rounding of each other are a tie that any other rounding may break the other way: a bf16 kernel
 that is correct to its last bit upstream (an RMSNorm that rounds once where the original rounds
-twice) sends one token of 32 to another expert (solar_open, bf16: layer 1, 1 token). That token's
+twice) sends 2 of 192 routed rows to other experts (solar_open, bf16). Each such row's
 whole contribution then moves from one expert's gradient to another's, far beyond any rounding
 rule, and the verifier failed a correct patchset. Such a flip says nothing about the kernel.
 
 So when a whole-model check of a model that routes fails, it is run again with the patched
 model's ``topk`` results replaced, call by call, by the original's indices (their values gathered
 from the patched scores, so gradients still flow through the patched router); a kernel that is
-wrong still fails there, on the same routing. The report says how many tokens chose otherwise.
+wrong still fails there, on the same routing. The report says how many rows chose otherwise.
 ``topk`` is seen by a :class:`torch.overrides.TorchFunctionMode` entered around those two runs
 only (never in the first judgement: it costs a Python call per torch op).
 """

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from engine.verification.compare import is_cache
 from engine.verification.truth import Fp64
 
 __all__ = ["recomputed_layers"]
@@ -67,14 +68,9 @@ def recomputed_layers(model: nn.Module, mode: Fp64) -> Iterator[int]:
                 layer.forward = own
 
 
-def _is_cache(value: Any) -> bool:
-    return value is not None and not isinstance(value, (torch.Tensor, int, float, bool, str)) and (
-        "cache" in type(value).__name__.lower())
-
-
 def _checkpointed(mode: Fp64, forward: Any, *args: Any, **kwargs: Any) -> Any:
     leaves, spec = tree_flatten((args, kwargs))
-    if mode.sink is None or not torch.is_grad_enabled() or mode.recomputing or any(map(_is_cache, leaves)):
+    if mode.sink is None or not torch.is_grad_enabled() or mode.recomputing or any(map(is_cache, leaves)):
         return forward(*args, **kwargs)
     where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     if not any(leaves[i].requires_grad for i in where):
