@@ -381,3 +381,51 @@ def test_a_loss_that_stores_its_gradient_in_the_logits_is_named(qwen3) -> None:
     checks = {c.what.split(" ")[0]: c.passed for c in report.model_checks}
     assert checks == {"logits": False, "loss": True, "grads": True}, report.summary()
     assert restored
+
+
+def hook_scaling_a_norms_output(model: nn.Module) -> None:
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda m, args, out: out * 1.01)
+
+
+def hook_scaling_an_mlps_input_gradient(model: nn.Module) -> None:
+    model.model.layers[1].mlp.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 1.5,))
+
+
+def hook_doubling_a_weights_gradient(model: nn.Module) -> None:
+    model.model.layers[0].mlp.up_proj.weight.register_hook(lambda g: g * 2)
+
+
+def hook_returning_nothing(model: nn.Module) -> None:
+    model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: None)
+
+
+def norm_epsilon_raised(model: nn.Module) -> None:
+    model.model.layers[1].input_layernorm.variance_epsilon = 1e-2
+
+
+@pytest.mark.parametrize(("patch", "path", "change", "shown"), [
+    (hook_scaling_a_norms_output, "model.layers.0.post_attention_layernorm", "hooks added", "forward hook"),
+    (hook_scaling_an_mlps_input_gradient, "model.layers.1.mlp", "hooks added", "backward hook"),
+    (hook_doubling_a_weights_gradient, "model.layers.0.mlp.up_proj", "gradient hooks added", "parameter weight"),
+    (norm_epsilon_raised, "model.layers.1.input_layernorm", "attributes changed", "variance_epsilon 1e-06 -> 0.01"),
+], ids=["forward hook", "backward hook", "gradient hook", "attribute"])
+def test_a_hook_or_an_attribute_no_class_forward_or_weight_shows_differs_with_its_module_named(
+        qwen3, patch, path, change, shown) -> None:
+    """No class, forward or weight changes here: before, only the whole model differed, with nothing named."""
+    report = audit(qwen3, patch)
+    assert report.verdict == "differs"
+    [row] = [r for r in report.rows if r.change == change]
+    assert row.path == path and row.result == "differs" and shown in row.detail, row
+    assert not any(r.path == path for r in _rows(report, "same"))
+    assert not all(c.passed for c in report.model_checks)
+    # the audit worked on a copy: the model itself has no hook and its own epsilon
+    for module in qwen3.modules():
+        assert not (module._forward_hooks or module._backward_hooks) and getattr(module, "variance_epsilon", 1e-6) == 1e-6
+    assert not any(p._backward_hooks for p in qwen3.parameters())
+
+
+def test_a_hook_that_changes_nothing_passes(qwen3) -> None:
+    report = audit(qwen3, hook_returning_nothing)
+    assert report.verdict == "passes", report.summary()
+    [row] = report.rows
+    assert row.change == "hooks added" and row.result == "same" and all(c.max_abs == 0 for c in report.model_checks)

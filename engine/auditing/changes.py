@@ -5,7 +5,8 @@ Why by comparison and not by asking the stack: no stack says what it did (Liger 
 patched is what an audit must not trust (8 of twinkle's 65 default entries name classes
 transformers does not have). The patch runs on a copy of the model made just before it; the
 copy's modules are compared with the model's, path by path (class, forward, the module object
-itself, each parameter's and buffer's values and identity, weight ties, config fields), and the
+itself, its hooks and plain attributes, each parameter's and buffer's values, identity and gradient
+hooks, weight ties, config fields), and the
 process's watched names with their snapshot (:mod:`engine.auditing.process_state`): every
 function the forwards can reach, through the globals of the functions they call, transitively
 (``rotate_half`` rebound reaches the model through ``apply_rotary_pos_emb``'s globals).
@@ -104,6 +105,12 @@ def find_changes(
         if before is not after:
             found.append(Change(path, cls.__name__, "forward replaced", describe_object(after), judged))
             continue
+        hooks = _hooks_added(module, other)
+        if hooks:  # judged through the module's call, which runs them (a forward alone would not)
+            found.append(Change(path, cls.__name__, "hooks added", hooks, judged))
+        attributes = _attributes_changed(module, other)
+        if attributes:  # an instance's own number its forward reads (variance_epsilon)
+            found.append(Change(path, cls.__name__, "attributes changed", attributes, judged))
         for klass in cls.__mro__:
             owner = f"{klass.__module__}.{klass.__qualname__}"
             hits = changed_classes.get(owner, [])
@@ -122,6 +129,47 @@ def find_changes(
     return found
 
 
+#: The module hook tables a call runs (torch.nn.Module.__call__), by what the report calls them.
+_HOOK_TABLES = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+                ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+#: Instance attributes a forward reads as numbers or flags: compared by value (tensors, modules and
+#: private state are compared elsewhere or are torch's bookkeeping).
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _hooks_added(module: nn.Module, other: nn.Module) -> str:
+    """The hooks ``other`` (the patched copy) runs that ``module`` does not: a hook that scales an output
+    changes the model as surely as a new forward, and no class, forward or weight shows it."""
+    added = []
+    for table, name in _HOOK_TABLES:
+        before = [_function(h) for h in (getattr(module, table, None) or {}).values()]
+        for hook in (getattr(other, table, None) or {}).values():
+            if not any(_function(hook) is b for b in before):
+                added.append(f"{name} {describe_object(_function(hook))}")
+    return ", ".join(added)
+
+
+def _attributes_changed(module: nn.Module, other: nn.Module) -> str:
+    """Plain public instance attributes (numbers, flags, strings) whose value the patch changed, added or removed."""
+    def plain(m: nn.Module) -> dict[str, Any]:
+        return {k: v for k, v in vars(m).items()
+                if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)}
+
+    before, after = plain(module), plain(other)
+    return "; ".join(f"{key} {before.get(key, '(none)')!r} -> {after.get(key, '(none)')!r}"
+                     for key in sorted(before.keys() | after.keys()) if before.get(key, _PLAIN) != after.get(key, _PLAIN))
+
+
+def _gradient_hooks(name: str, before: torch.Tensor, after: torch.Tensor) -> str:
+    """Hooks on a parameter's gradient the patch registered (``weight.register_hook(lambda g: g * 2)``)."""
+    added = []
+    for table in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        mine = [_function(h) for h in (getattr(before, table, None) or {}).values()]
+        added += [describe_object(_function(h)) for h in (getattr(after, table, None) or {}).values()
+                  if not any(_function(h) is m for m in mine)]
+    return f"parameter {name}: gradient hook {', '.join(added)}" if added else ""
+
+
 def _tensor_changes(original: nn.Module, patched: nn.Module, recorded: set[Any], copied: dict[str, Any],
                     replaced: list[str]) -> list[Change]:
     """Parameters and buffers whose values, shape, dtype or identity changed, and weight ties made or broken."""
@@ -131,7 +179,8 @@ def _tensor_changes(original: nn.Module, patched: nn.Module, recorded: set[Any],
         other = mine.get(path)
         if other is None or any(path == r or path.startswith(f"{r}.") or not r for r in replaced):
             continue
-        what = []
+        what: list[str] = []
+        hooked: list[str] = []
         for kind, before, after in (("parameter", dict(module.named_parameters(recurse=False)),
                                      dict(other.named_parameters(recurse=False))),
                                     ("buffer", dict(module.named_buffers(recurse=False)),
@@ -148,8 +197,13 @@ def _tensor_changes(original: nn.Module, patched: nn.Module, recorded: set[Any],
                     what.append(f"{kind} {name} values changed (max |change| {diff:.2g})")
                 elif full in copied and copied[full] != id(a):
                     what.append(f"{kind} {name} replaced by another tensor of the same values")
+                if a is not None and b is not None and kind == "parameter" and _gradient_hooks(name, b, a):
+                    hooked.append(_gradient_hooks(name, b, a))
         if what:
             found.append(Change(path, type(module).__name__, "weights changed", "; ".join(what),
+                                "module" if path in recorded else "model"))
+        if hooked:  # the module's backward check sees them (its gradients go through the same tensors)
+            found.append(Change(path, type(module).__name__, "gradient hooks added", "; ".join(hooked),
                                 "module" if path in recorded else "model"))
     ties = _ties(original)
     mine_ties = _ties(patched)

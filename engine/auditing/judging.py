@@ -38,7 +38,8 @@ def judge_change(change: Change, rec: Recorded | None, patched: Any, original: A
         row.result, row.note = "unchecked", rec.problem
         return row
     args, kwargs = move_tensors(rec.args, device), move_tensors(rec.kwargs, device)
-    call = patched.forward if isinstance(patched, nn.Module) else patched
+    # a module's call runs its hooks; its forward alone is what the original's numbers were recorded from
+    call = (patched if change.kind == "hooks added" else patched.forward) if isinstance(patched, nn.Module) else patched
     try:
         with torch.no_grad(), same_draws(patched if isinstance(patched, nn.Module) else None):
             got = call(*clone_tensors(args), **clone_tensors(kwargs))

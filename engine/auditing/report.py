@@ -242,12 +242,18 @@ def _grouped(rows: list[Row]) -> list[Row]:
     return out
 
 
+#: Changes whose detail is shown whole in the table (not shortened to the last dotted name).
+_SHOWN_WHOLE = frozenset({"attributes changed", "hooks added", "gradient hooks added"})
+
+
 def _change(row: Row) -> str:
     """``forward replaced: LigerRMSNorm.forward``: the kind of change and, shortened, what was put there."""
     if row.change == "process-wide":
         return "process-wide"
     if row.change.startswith("module "):
         return row.change
+    if row.change in _SHOWN_WHOLE:  # short already, and the value is the finding (variance_epsilon 1e-06 -> 0.01)
+        return f"{row.change}: {row.detail}" if len(row.detail) <= 60 else f"{row.change}: {row.detail[:57]}..."
     parts = row.detail.split(" -> ")[-1].split(".") if row.detail else []
     short = ".".join(parts[-2:] if len(parts) > 1 and not parts[-2].islower() else parts[-1:])
     return f"{row.change}: {short}" if short else row.change

@@ -193,7 +193,10 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
 
 def _sampled(change: Any, named: dict[str, nn.Module]) -> bool:
     """The first, middle and last module of each class and change get a backward check (each costs a module's
-    forward and backward three times: patched, original, fp64)."""
+    forward and backward three times: patched, original, fp64). Hooks are checked wherever they were added: a
+    backward or gradient hook shows nowhere else."""
+    if change.kind in ("hooks added", "gradient hooks added"):
+        return True
     same = [p for p, m in named.items() if type(m).__name__ == change.cls]
     index = same.index(change.path) if change.path in same else 0
     wanted = {0, len(same) // 2, len(same) - 1}
