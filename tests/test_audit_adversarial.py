@@ -429,3 +429,33 @@ def test_a_hook_that_changes_nothing_passes(qwen3) -> None:
     assert report.verdict == "passes", report.summary()
     [row] = report.rows
     assert row.change == "hooks added" and row.result == "same" and all(c.max_abs == 0 for c in report.model_checks)
+
+
+def rsqrt_off_by_one_percent(model: nn.Module) -> None:
+    rsqrt = torch.rsqrt
+    torch.rsqrt = lambda x: rsqrt(x) * 1.01
+
+
+def tensor_pow_off_by_one_percent(model: nn.Module) -> None:
+    power = torch.Tensor.pow
+    torch.Tensor.pow = lambda self, exponent: power(self, exponent) * 1.01
+
+
+@pytest.mark.parametrize(("patch", "path"), [(rsqrt_off_by_one_percent, "torch.rsqrt"),
+                                             (tensor_pow_off_by_one_percent, "torch.Tensor.pow")],
+                         ids=["torch.rsqrt", "torch.Tensor.pow"])
+def test_a_torch_function_rebound_is_named_by_putting_it_back_and_is_put_back_after(qwen3, patch, path) -> None:
+    """torch's own namespace and Tensor's methods: before, the audit left them rebound in the user's process and
+    named nothing while the whole model differed."""
+    before = torch.rsqrt, torch.Tensor.pow
+    try:
+        report = audit(qwen3, patch)
+        assert (torch.rsqrt, torch.Tensor.pow) == before
+        assert report.verdict == "differs"
+        [row] = [r for r in report.rows if r.path == path]
+        assert row.result == "differs" and row.evidence == "put back" and "logits, loss, grads pass" in row.note
+    finally:  # only where the audit did not put them back (it must)
+        if torch.rsqrt is not before[0]:
+            torch.rsqrt = before[0]
+        if torch.Tensor.pow is not before[1]:
+            del torch.Tensor.pow

@@ -9,7 +9,8 @@ patch, lists what differs after it (:meth:`ProcessState.changes`) and puts it ba
 (:meth:`ProcessState.restore`).
 
 What is watched: every module (not package) of ``transformers``, ``torch.nn.functional`` and
-``torch.nn.modules``, and the module of every class the model is built from (remote code, a
+``torch.nn.modules``, ``torch``'s own namespace and ``torch.Tensor``'s class (``torch.rsqrt`` or
+``torch.Tensor.pow`` rebound by a patch would otherwise stay rebound after the audit), and the module of every class the model is built from (remote code, a
 user's own); of each, its namespace and the ``__dict__`` of each class it defines. A watched
 module first imported *while the patch runs* (twinkle imports every family of its map) is
 recorded the moment its import finishes, before the patch can change it
@@ -26,23 +27,28 @@ from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ProcessChange", "ProcessState", "describe_object", "watched_names"]
+__all__ = ["ProcessChange", "ProcessState", "describe_object", "put_back", "watched_names"]
 
 #: Prefixes of the module names watched in every process (the model's own modules are added).
 WATCHED = ("transformers.", "torch.nn.functional", "torch.nn.modules.")
+#: torch's own namespaces a model's code calls into (``torch.rsqrt``, ``torch.Tensor.pow``): watched for names
+#: *rebound* only. torch fills these in lazily as it runs; a name it adds is not a patch and is left alone.
+LIBRARY_NAMESPACES = frozenset({"torch", "torch._tensor"})
 
 _MISSING = object()
 
 
 def _watched(name: str, extra: frozenset[str]) -> bool:
-    return name in extra or name.startswith(WATCHED) or name == "torch.nn.functional"
+    return name in extra or name.startswith(WATCHED) or name == "torch.nn.functional" or name in LIBRARY_NAMESPACES
 
 
 def watched_names(extra: Iterable[str] = ()) -> list[str]:
-    """The loaded modules a snapshot records: transformers' and torch.nn's modules, and ``extra``."""
+    """The loaded modules a snapshot records: transformers' and torch.nn's modules, torch's own namespace and
+    ``torch.Tensor``'s module, and ``extra``."""
     wanted = frozenset(extra)
     return sorted(n for n, m in list(sys.modules.items())
-                  if isinstance(m, types.ModuleType) and _watched(n, wanted) and "__path__" not in vars(m))
+                  if isinstance(m, types.ModuleType) and _watched(n, wanted)
+                  and ("__path__" not in vars(m) or n in LIBRARY_NAMESPACES))
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,11 @@ class ProcessState:
         found: list[ProcessChange] = []
         for name, record in self.records.items():
             now = vars(record.module)
+            rebound_only = name in LIBRARY_NAMESPACES
             for key in sorted(record.names.keys() | now.keys()):
                 before, after = record.names.get(key, _MISSING), now.get(key, _MISSING)
+                if rebound_only and (before is _MISSING or after is _MISSING):
+                    continue
                 if before is not after and _patched(before, after):
                     found.append(ProcessChange(name, key, "function", before, after, record.module, key))
             for cls, attrs in record.classes.items():
@@ -156,6 +165,8 @@ class ProcessState:
                     if key in _CLASS_CACHE:
                         continue
                     before, after = attrs.get(key, _MISSING), current.get(key, _MISSING)
+                    if rebound_only and before is _MISSING and not callable(after):
+                        continue
                     if before is not after and _patched(before, after):
                         found.append(ProcessChange(f"{name}.{cls.__qualname__}", key, "class attribute", before, after,
                                                    cls, key))
@@ -179,19 +190,13 @@ class ProcessState:
             yield
         finally:
             for change in undone:
-                if isinstance(change.holder, dict):
-                    _put(change.holder, change.key, change.after)
-                else:
-                    _put_attr(change.holder, change.key, change.after)
+                put_back(change, change.after)
 
     def restore(self) -> list[ProcessChange]:
         """Put back every changed name (added ones deleted); returns what was put back."""
         undone = self.changes()
         for change in undone:
-            if isinstance(change.holder, dict):
-                _put(change.holder, change.key, change.before)
-            else:
-                _put_attr(change.holder, change.key, change.before)
+            put_back(change, change.before)
         return undone
 
 
@@ -212,6 +217,14 @@ def _patched(before: Any, after: Any) -> bool:
         return value is not _MISSING and callable(value) and not isinstance(value, types.ModuleType)
 
     return code(before) or code(after)
+
+
+def put_back(change: ProcessChange, value: Any) -> None:
+    """Set ``change``'s name (or registry key) to ``value``: its ``before`` to undo it, its ``after`` to redo it."""
+    if isinstance(change.holder, dict):
+        _put(change.holder, change.key, value)
+    else:
+        _put_attr(change.holder, change.key, value)
 
 
 def _put(table: dict[Any, Any], key: Any, value: Any) -> None:
