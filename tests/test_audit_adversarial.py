@@ -459,3 +459,17 @@ def test_a_torch_function_rebound_is_named_by_putting_it_back_and_is_put_back_af
             torch.rsqrt = before[0]
         if torch.Tensor.pow is not before[1]:
             del torch.Tensor.pow
+
+
+def gemma2_softcap_changed(model: nn.Module) -> None:
+    model.config.final_logit_softcapping = 3.0  # read by Gemma2ForCausalLM.forward on every call
+
+
+def test_a_config_field_a_forward_reads_is_named_by_putting_it_back() -> None:
+    model = tiny_for("gemma2").train()
+    before = model.config.final_logit_softcapping
+    report = audit(model, gemma2_softcap_changed)
+    assert model.config.final_logit_softcapping == before  # the patch ran on a copy
+    assert report.verdict == "differs"
+    [row] = [r for r in report.rows if r.path == "config.final_logit_softcapping"]
+    assert row.result == "differs" and row.evidence == "put back" and "logits, loss, grads pass" in row.note

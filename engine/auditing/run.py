@@ -34,7 +34,7 @@ from engine.auditing.backward import judge_backward
 from engine.auditing.changes import find_changes, identities
 from engine.auditing.judging import judge_change, judge_registry
 from engine.auditing.process_state import ProcessState
-from engine.auditing.put_back import locate_by_putting_back
+from engine.auditing.put_back import locate_by_putting_back, undoers
 from engine.auditing.recording import Recorded, containers, measure, recording
 from engine.auditing.report import AuditReport
 from engine.auditing.shared_gradients import locate_shared_gradient
@@ -190,7 +190,7 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
 
     locate_shared_gradient(report.rows, checks, mine, rerun, report.model_ratios.get("grads"))
     locate_written_inputs(report.rows, checks, {c.where: c for c in process}, rerun, report.model_ratios)
-    locate_by_putting_back(report.rows, checks, {c.where: c for c in process}, rerun, report.model_ratios)
+    locate_by_putting_back(report.rows, checks, undoers(process, model, patched), rerun, report.model_ratios)
 
 
 def _sampled(change: Any, named: dict[str, nn.Module]) -> bool:
