@@ -473,3 +473,16 @@ def test_a_config_field_a_forward_reads_is_named_by_putting_it_back() -> None:
     assert report.verdict == "differs"
     [row] = [r for r in report.rows if r.path == "config.final_logit_softcapping"]
     assert row.result == "differs" and row.evidence == "put back" and "logits, loss, grads pass" in row.note
+
+
+def freeze_a_weight(model: nn.Module) -> None:
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+
+
+def test_a_weight_the_patch_freezes_differs_by_what_it_is(qwen3) -> None:
+    """The forward is bit-equal; training silently stops updating the weight (the LoRA-adapter class of bug)."""
+    report = audit(qwen3, freeze_a_weight)
+    assert report.verdict == "differs" and qwen3.model.layers[0].mlp.up_proj.weight.requires_grad
+    [row] = [r for r in report.rows if r.change == "requires_grad changed"]
+    assert row.path == "model.layers.0.mlp.up_proj" and row.result == "differs" and "no longer updates" in row.note
+    assert [c.passed for c in report.model_checks][:2] == [True, True]  # logits and loss bit-equal

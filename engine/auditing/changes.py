@@ -40,7 +40,8 @@ class Change:
 
     ``judged``: ``"module"`` (its output on its recorded inputs), ``"function"`` (likewise),
     ``"through"`` (a function reached only through another's globals: the recorded caller ``via``
-    is run again with it in place), ``"model"`` (the whole-model checks judge it) or ``"none"``
+    is run again with it in place), ``"fact"`` (it differs by what it is: a parameter's ``requires_grad``
+    switched), ``"model"`` (the whole-model checks judge it) or ``"none"``
     (it does not reach this model: a class name rebound for models built later).
     """
 
@@ -181,6 +182,7 @@ def _tensor_changes(original: nn.Module, patched: nn.Module, recorded: set[Any],
             continue
         what: list[str] = []
         hooked: list[str] = []
+        switched: list[str] = []
         for kind, before, after in (("parameter", dict(module.named_parameters(recurse=False)),
                                      dict(other.named_parameters(recurse=False))),
                                     ("buffer", dict(module.named_buffers(recurse=False)),
@@ -197,11 +199,15 @@ def _tensor_changes(original: nn.Module, patched: nn.Module, recorded: set[Any],
                     what.append(f"{kind} {name} values changed (max |change| {diff:.2g})")
                 elif full in copied and copied[full] != id(a):
                     what.append(f"{kind} {name} replaced by another tensor of the same values")
+                if a is not None and b is not None and kind == "parameter" and a.requires_grad != b.requires_grad:
+                    switched.append(f"parameter {name} requires_grad {b.requires_grad} -> {a.requires_grad}")
                 if a is not None and b is not None and kind == "parameter" and _gradient_hooks(name, b, a):
                     hooked.append(_gradient_hooks(name, b, a))
         if what:
             found.append(Change(path, type(module).__name__, "weights changed", "; ".join(what),
                                 "module" if path in recorded else "model"))
+        if switched:  # a weight training no longer updates (or now does): a fact, not a number to judge
+            found.append(Change(path, type(module).__name__, "requires_grad changed", "; ".join(switched), "fact"))
         if hooked:  # the module's backward check sees them (its gradients go through the same tensors)
             found.append(Change(path, type(module).__name__, "gradient hooks added", "; ".join(hooked),
                                 "module" if path in recorded else "model"))

@@ -31,6 +31,11 @@ def judge_change(change: Change, rec: Recorded | None, patched: Any, original: A
     if change.judged == "none":
         row.result = "not in this model"
         return row
+    if change.judged == "fact":  # requires_grad switched: training updates other weights than the original's
+        row.result = "differs"
+        row.note = ("training no longer updates it (no gradient reaches it)" if "-> False" in change.detail
+                    else "training now updates a weight the original keeps frozen")
+        return row
     if change.judged not in ("module", "function", "through") or rec is None:
         row.note = _WHOLE_MODEL.get(change.kind, _WHOLE_MODEL["module"])
         return row

@@ -243,7 +243,7 @@ def _grouped(rows: list[Row]) -> list[Row]:
 
 
 #: Changes whose detail is shown whole in the table (not shortened to the last dotted name).
-_SHOWN_WHOLE = frozenset({"attributes changed", "hooks added", "gradient hooks added"})
+_SHOWN_WHOLE = frozenset({"attributes changed", "hooks added", "gradient hooks added", "requires_grad changed"})
 
 
 def _change(row: Row) -> str:
