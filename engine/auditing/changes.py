@@ -157,8 +157,9 @@ def _attributes_changed(module: nn.Module, other: nn.Module) -> str:
                 if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)}
 
     before, after = plain(module), plain(other)
-    return "; ".join(f"{key} {before.get(key, '(none)')!r} -> {after.get(key, '(none)')!r}"
-                     for key in sorted(before.keys() | after.keys()) if before.get(key, _PLAIN) != after.get(key, _PLAIN))
+    changed = [key for key in sorted(before.keys() | after.keys())
+               if not (before.get(key, _PLAIN) is after.get(key, _PLAIN) or before.get(key, _PLAIN) == after.get(key, _PLAIN))]
+    return "; ".join(f"{key} {before.get(key, '(none)')!r} -> {after.get(key, '(none)')!r}" for key in changed)
 
 
 def _gradient_hooks(name: str, before: torch.Tensor, after: torch.Tensor) -> str:
@@ -201,8 +202,8 @@ def _tensor_changes(original: nn.Module, patched: nn.Module, recorded: set[Any],
                     what.append(f"{kind} {name} replaced by another tensor of the same values")
                 if a is not None and b is not None and kind == "parameter" and a.requires_grad != b.requires_grad:
                     switched.append(f"parameter {name} requires_grad {b.requires_grad} -> {a.requires_grad}")
-                if a is not None and b is not None and kind == "parameter" and _gradient_hooks(name, b, a):
-                    hooked.append(_gradient_hooks(name, b, a))
+                if a is not None and b is not None and kind == "parameter" and (hooks := _gradient_hooks(name, b, a)):
+                    hooked.append(hooks)
         if what:
             found.append(Change(path, type(module).__name__, "weights changed", "; ".join(what),
                                 "module" if path in recorded else "model"))
