@@ -157,8 +157,11 @@ def _attributes_changed(module: nn.Module, other: nn.Module) -> str:
                 if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)}
 
     before, after = plain(module), plain(other)
-    changed = [key for key in sorted(before.keys() | after.keys())
-               if not (before.get(key, _PLAIN) is after.get(key, _PLAIN) or before.get(key, _PLAIN) == after.get(key, _PLAIN))]
+    def same(key: str) -> bool:
+        b, a = before.get(key, _PLAIN), after.get(key, _PLAIN)
+        return b is a or b == a  # identity first: a NaN left as it was is not a change
+
+    changed = [key for key in sorted(before.keys() | after.keys()) if not same(key)]
     return "; ".join(f"{key} {before.get(key, '(none)')!r} -> {after.get(key, '(none)')!r}" for key in changed)
 
 

@@ -39,7 +39,8 @@ def undoers(process: list[ProcessChange], original: nn.Module, patched: nn.Modul
         for key in set(vars(theirs)) | set(vars(mine)):
             before, after = vars(theirs).get(key, _MISSING), vars(mine).get(key, _MISSING)
             if before is not after:
-                out[f"config.{key}"] = (lambda k=key, v=before: _set(mine, k, v), lambda k=key, v=after: _set(mine, k, v))
+                out[f"config.{key}"] = (lambda k=key, v=before: _set(mine, k, v),
+                                        lambda k=key, v=after: _set(mine, k, v))
     return out
 
 
