@@ -12,9 +12,9 @@ What is watched: every module (not package) of ``transformers``, ``torch.nn.func
 ``torch.nn.modules``, ``torch``'s own namespace and ``torch.Tensor``'s class (``torch.rsqrt`` or
 ``torch.Tensor.pow`` rebound by a patch would otherwise stay rebound after the audit), and the
 module of every class the model is built from (remote code, a user's own); of each, its namespace
-and the ``__dict__`` of each class it defines. A watched module first imported *while the patch runs* (twinkle imports every family of its map) is
-recorded the moment its import finishes, before the patch can change it
-(:class:`_ImportWatcher`), so it is restored too.
+and the ``__dict__`` of each class it defines. A watched module first imported *while the patch
+runs* (twinkle imports every family of its map) is recorded the moment its import finishes, before
+the patch can change it (:class:`_ImportWatcher`), so it is restored too.
 """
 
 from __future__ import annotations
