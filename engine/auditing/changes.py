@@ -138,16 +138,18 @@ _HOOK_TABLES = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def _new_hooks(before: Any, after: Any, table: str) -> list[Any]:
+    """The hooks in ``after``'s hook table (a module's or a tensor's) that ``before``'s does not hold, by identity."""
+    held = [_function(h) for h in (getattr(before, table, None) or {}).values()]
+    return [_function(h) for h in (getattr(after, table, None) or {}).values()
+            if not any(_function(h) is k for k in held)]
+
+
 def _hooks_added(module: nn.Module, other: nn.Module) -> str:
     """The hooks ``other`` (the patched copy) runs that ``module`` does not: a hook that scales an output
     changes the model as surely as a new forward, and no class, forward or weight shows it."""
-    added = []
-    for table, name in _HOOK_TABLES:
-        before = [_function(h) for h in (getattr(module, table, None) or {}).values()]
-        for hook in (getattr(other, table, None) or {}).values():
-            if not any(_function(hook) is b for b in before):
-                added.append(f"{name} {describe_object(_function(hook))}")
-    return ", ".join(added)
+    return ", ".join(f"{name} {describe_object(hook)}" for table, name in _HOOK_TABLES
+                     for hook in _new_hooks(module, other, table))
 
 
 def _attributes_changed(module: nn.Module, other: nn.Module) -> str:
@@ -167,11 +169,8 @@ def _attributes_changed(module: nn.Module, other: nn.Module) -> str:
 
 def _gradient_hooks(name: str, before: torch.Tensor, after: torch.Tensor) -> str:
     """Hooks on a parameter's gradient the patch registered (``weight.register_hook(lambda g: g * 2)``)."""
-    added = []
-    for table in ("_backward_hooks", "_post_accumulate_grad_hooks"):
-        mine = [_function(h) for h in (getattr(before, table, None) or {}).values()]
-        added += [describe_object(_function(h)) for h in (getattr(after, table, None) or {}).values()
-                  if not any(_function(h) is m for m in mine)]
+    added = [describe_object(hook) for table in ("_backward_hooks", "_post_accumulate_grad_hooks")
+             for hook in _new_hooks(before, after, table)]
     return f"parameter {name}: gradient hook {', '.join(added)}" if added else ""
 
 

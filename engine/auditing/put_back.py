@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from torch import nn
@@ -20,7 +21,7 @@ from torch import nn
 from engine.auditing.process_state import ProcessChange, put_back
 from engine.verification.results import Check
 
-__all__ = ["locate_by_putting_back", "undoers"]
+__all__ = ["explained_by_rerunning", "locate_by_putting_back", "undoers"]
 
 #: At most this many changes are tried (each costs one run of the patched model and its judgement).
 MOST_TRIED = 16
@@ -63,18 +64,32 @@ def _undone(undo: Callable[[], None], redo: Callable[[], None]) -> Iterator[None
         redo()
 
 
-def locate_by_putting_back(rows: list[Any], checks: list[Check], undo: Undoers,
-                           rerun: Callable[[], list[Check]], ratios: dict[str, float]) -> None:
-    """Mark the row of each whole-model-only change without which the failed checks pass."""
+def explained_by_rerunning(rows: list[Any], checks: list[Check],
+                           contexts: dict[str, Callable[[], AbstractContextManager[Any]]],
+                           rerun: Callable[[], list[Check]], ratios: dict[str, float]) -> Iterator[tuple[Any, str]]:
+    """The whole-model-only rows (at most :data:`MOST_TRIED`) whose context (``contexts[row.path]``) makes every
+    failed check pass when the patched model runs again inside it. Each is yielded with the failed checks' names,
+    its result already ``differs`` and its ratio the worst failed one; the caller says why (evidence and note).
+
+    The shared mechanism of the locators that judge a change by the whole model's own numbers (this module's,
+    and :mod:`engine.auditing.written_inputs`)."""
     failed = [c.what for c in checks if not c.passed]  # logits, loss, grads: in the checks' order
     if not failed:
         return
-    tried = [r for r in rows if r.result == "whole model" and r.path in undo][:MOST_TRIED]
-    for row in tried:
-        with _undone(*undo[row.path]):
+    worst = max((ratios.get(what.split(" ")[0], 0.0) for what in failed), default=0.0)
+    for row in [r for r in rows if r.result == "whole model" and r.path in contexts][:MOST_TRIED]:
+        with contexts[row.path]():
             again = rerun()
         if any(not c.passed for c in again if c.what in failed):
             continue
-        worst = max((ratios.get(what.split(" ")[0], 0.0) for what in failed), default=0.0)
-        row.result, row.evidence, row.ratio = "differs", "put back", worst or None
-        row.note = f"with it put back, the whole model's {', '.join(failed)} pass: this change is what moves them"
+        row.result, row.ratio = "differs", worst or None
+        yield row, ", ".join(failed)
+
+
+def locate_by_putting_back(rows: list[Any], checks: list[Check], undo: Undoers,
+                           rerun: Callable[[], list[Check]], ratios: dict[str, float]) -> None:
+    """Mark the row of each whole-model-only change without which the failed checks pass."""
+    contexts = {path: (lambda u=u: _undone(*u)) for path, u in undo.items()}
+    for row, failed in explained_by_rerunning(rows, checks, contexts, rerun, ratios):
+        row.evidence = "put back"
+        row.note = f"with it put back, the whole model's {failed} pass: this change is what moves them"

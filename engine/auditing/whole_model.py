@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.runtime.hub_functions import torch_path
-from engine.verification.compare import DTYPE_NAMES, compare
+from engine.verification.compare import DTYPE_NAMES, compare, floating_dtype
 from engine.verification.models import (
     hold,
     judging_gradients,
@@ -70,8 +70,7 @@ def measure_original(model: nn.Module, batch: dict[str, Any], held: torch.device
                      during: contextlib.AbstractContextManager[Any] | None = None) -> OriginalRun:
     """The original's run (``during`` it: the modules' recording) and its fp64 truth, on the unpatched model."""
     grads = Grads()
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    routing = RoutingLog(dtype) if routes(model) else None
+    routing = RoutingLog(floating_dtype(model.parameters())) if routes(model) else None
     with _own_grads(model):
         with (torch_path(model), taking_gradients(model, grads.original, held), during or contextlib.nullcontext(),
               routing.recording() if routing is not None else contextlib.nullcontext()):

@@ -20,7 +20,8 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.auditing.process_state import ProcessChange
+from engine.auditing.process_state import ProcessChange, put_back
+from engine.auditing.put_back import explained_by_rerunning
 from engine.verification.compare import clone_tensors
 from engine.verification.results import Check
 
@@ -36,29 +37,20 @@ def _given_copies(change: ProcessChange) -> Iterator[None]:
     def copying(*args: Any, **kwargs: Any) -> Any:
         return patched(*clone_tensors(args), **clone_tensors(kwargs))
 
-    setattr(change.holder, change.key, copying)
+    put_back(change, copying)
     try:
         yield
     finally:
-        setattr(change.holder, change.key, patched)
+        put_back(change, patched)
 
 
 def locate_written_inputs(rows: list[Any], checks: list[Check], changes: dict[str, ProcessChange],
                           rerun: Callable[[], list[Check]], ratios: dict[str, float]) -> None:
     """Mark the row of a whole-model-only function whose write into its arguments explains the failed checks."""
-    failed = {c.what for c in checks if not c.passed}
-    if not failed:
-        return
-    for row in rows:
-        change = changes.get(row.path)
-        if row.result != "whole model" or change is None or change.kind != "function" or not callable(change.after):
-            continue
-        with _given_copies(change):
-            again = rerun()
-        if any(not c.passed for c in again if c.what in failed):
-            continue
-        worst = max((ratios.get(what.split(" ")[0], 0.0) for what in failed), default=0.0)
-        row.result, row.evidence, row.ratio = "differs", "in-place input", worst or None
+    contexts = {path: (lambda c=change: _given_copies(c)) for path, change in changes.items()
+                if change.kind == "function" and callable(change.after)}
+    for row, failed in explained_by_rerunning(rows, checks, contexts, rerun, ratios):
+        row.evidence = "in-place input"
         row.note = (f"writes into a tensor it is given (in place): with copies of its arguments, the whole model's "
-                    f"{', '.join(sorted(failed))} pass: it overwrites a tensor the model still holds (a loss that stores "
-                    "its gradient in the logits it is given, which an fp32 model returns)")
+                    f"{failed} pass: it overwrites a tensor the model still holds (a loss that stores its gradient in "
+                    "the logits it is given, which an fp32 model returns)")

@@ -31,7 +31,7 @@ from engine.releases.manifest import column_text, content_sha256, installed_colu
 from engine.releases.self_verify import kernels_of
 from engine.releases.verdict import ReleaseVerdict
 from engine.runtime.release import is_bundled, verify_command
-from engine.verification.compare import DTYPE_NAMES
+from engine.verification.compare import DTYPE_NAMES, floating_dtype
 
 __all__ = ["Kind", "VerificationPath", "key_for", "model_dtype", "not_known_verified", "verification_path"]
 
@@ -85,7 +85,7 @@ class VerificationPath:
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return floating_dtype(model.parameters())
 
 
 def _device_index(model: nn.Module, device: str) -> int | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -108,6 +108,11 @@ def clone_tensors(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: clone_tensors(v) for k, v in value.items()}
     return value
+
+
+def floating_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype of the first floating-point tensor (a model's parameters: its dtype), fp32 where there is none."""
+    return next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
 
 
 def is_cache(value: Any) -> bool:

@@ -34,7 +34,7 @@ from engine.patching.patcher import STATE_ATTR, original_forwards
 from engine.planning import fused_head
 from engine.runtime.hub_functions import torch_path
 from engine.runtime.wrappers import unwrap
-from engine.verification.compare import DTYPE_NAMES, compare, max_abs, max_abs_diff
+from engine.verification.compare import DTYPE_NAMES, compare, floating_dtype, max_abs, max_abs_diff
 from engine.verification.gradient_hooks import _judge_gradients, _no_checkpointing, _taking_gradients, hold
 from engine.verification.results import Check
 from engine.verification.routing import RoutingLog, judged_with_routing_pinned, routes
@@ -139,7 +139,7 @@ def compare_models(
             return checks
         for p in every.values():
             p.grad = None
-        log = RoutingLog(next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32))
+        log = RoutingLog(floating_dtype(params.values()))
         return judged_with_routing_pinned(checks, log, lambda: _compare(
             patched, batch, reference, params, held, Alongside(during_original=log.recording,
                                                                during_patched=log.pinning)))

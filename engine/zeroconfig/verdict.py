@@ -36,7 +36,7 @@ from engine.runtime.control_flow import not_a_failure
 from engine.schema import Patchset
 from engine.tiny.construction import callers_random_state, own_construction
 from engine.verification import verify
-from engine.verification.compare import DTYPE_NAMES
+from engine.verification.compare import DTYPE_NAMES, floating_dtype
 from engine.verification.results import failure_message
 from engine.zeroconfig.tiny_copy import code_identity, tiny_copy
 
@@ -67,10 +67,6 @@ class MeasuredVerdict:
 def subset(patchset: Patchset, indices: list[int]) -> Patchset:
     """``patchset`` with only the patches at ``indices`` (in order)."""
     return patchset.model_copy(update={"patches": [patchset.patches[i] for i in indices]})
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _model_device(model: nn.Module, plan: Plan) -> torch.device:
@@ -107,7 +103,7 @@ def _verify_once(tiny: nn.Module, patchset: Patchset, plan: Plan, fused: Any) ->
 
 def _run(model: nn.Module, plan: Plan, fused: Any) -> MeasuredVerdict:
     start = time.perf_counter()
-    dtype = _model_dtype(model)
+    dtype = floating_dtype(model.parameters())
     device = _model_device(model, plan)
     verdict = MeasuredVerdict(passed=[], model=f"tiny copy of {type(model).__name__}", mode=plan.mode,
                               dtype=DTYPE_NAMES.get(dtype, str(dtype)))
@@ -173,7 +169,7 @@ def verified_subset(model: nn.Module, measured: Patchset, plan: Plan, *, fused_c
     A verification that could not run (an exception, a tiny copy that does not build) is
     reported, never cached: it is no verdict.
     """
-    dtype = _model_dtype(model)
+    dtype = floating_dtype(model.parameters())
     interpreted = plan.device.value == "cuda" and is_interpreting()
     kind = device_kind(plan.device.value, interpreted=interpreted)
     material = key_material(pinned(plan), device_kind=kind, dtype=DTYPE_NAMES.get(dtype, str(dtype)),
