@@ -95,3 +95,26 @@ def test_vision_tower_patched_equals_unpatched(name: str, dtype: torch.dtype) ->
     assert want_grads and got_grads.keys() == want_grads.keys()
     for k in want_grads:
         assert torch.equal(got_grads[k], want_grads[k]), k
+
+
+def test_llama4_composite_verifies_its_vision_tower_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """``patch-engine verify llama4`` on the composite: its tower's adapter gets the width its pixel shuffle makes.
+
+    Regression (issue 47): the derived tiny config shrank the vision width (32, shuffled by 0.5 to 128)
+    and the adapter MLP's ``intermediate_size`` (64) apart, and the vision probe died in a raw
+    ``mat1 and mat2 shapes cannot be multiplied (4x128 and 64x4096)``.
+    """
+    import json
+
+    from engine.commands.cli import main
+
+    model = build_tiny_model("llama4")
+    feats = image_features(model, tiny_vision_inputs(model))  # 4 x 4 patches shuffled to 2 x 2, projected
+    assert feats.shape == (1, 4, model.config.text_config.hidden_size)
+    assert main(["verify", "llama4", "--model-type", "llama4", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["ok"] and row["model"] == "Llama4ForConditionalGeneration"
+    checked = {m["module"] for m in row["modules"] if m["passed"]}
+    assert "vision_model.model.layers.0.input_layernorm" in checked
+    assert any(m.endswith("modeling_llama4.vision_apply_rotary_emb") for m in checked)
+    assert sum(p.numel() for p in model.parameters()) < 300_000  # the defaults' 4096-wide adapter: 17M
