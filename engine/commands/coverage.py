@@ -143,9 +143,11 @@ def _tiny_model(patchset: str | Patchset) -> nn.Module:
     return build_tiny_model(tiny_model_type(ps), tiny.config if tiny else {}, random_buffers=tiny.random_buffers if tiny else None)
 
 
-def verify_patchset(patchset: str | Patchset) -> tuple[bool, str]:
+def verify_patchset(patchset: str | Patchset, *, code: dict[str, str] | None = None) -> tuple[bool, str]:
     """What ``patch-engine verify NAME`` says: the tiny model of the family, patched, verified.
 
+    ``code``, where given, receives the identity of each class and function that was patched and
+    verified (:func:`engine.releases.code.patched_code`): what the matrix records as verified.
     Raises whatever building the tiny model or planning raises (the callers make it a row).
     """
     from engine.kernels import compiled
@@ -158,7 +160,11 @@ def verify_patchset(patchset: str | Patchset) -> tuple[bool, str]:
     # that into 2.5e-4 relative, past the fp32 tolerance (only in a one-process sweep).
     compiled.clear_cache()
     model = _tiny_model(patchset)
-    apply(model, patchset, device="cpu")
+    applied = apply(model, patchset, device="cpu")
+    if code is not None:
+        from engine.releases.code import patched_code
+
+        code.update(patched_code(model, applied.decisions))
     try:
         report = verify(model, raise_on_failure=False)
     finally:

@@ -65,6 +65,9 @@ class Cell:
     #: The sha256 of the content verified (:func:`engine.releases.manifest.content_sha256`), for the
     #: verified-content manifest: a row of the table is about this content, not about the file's name.
     sha256: str | None = None
+    #: For ``verified``: the identity of the code each patched class and function ran
+    #: (:func:`engine.releases.code.patched_code`); bundled content covers only this code.
+    code: dict[str, str] | None = None
 
 
 def _verify_one(name: str) -> Cell:
@@ -85,8 +88,9 @@ def _verify_one(name: str) -> Cell:
     unclaimed = patchset.model_copy(update={"requires": Requires()})  # the truth, not the promise
     unclaimed._files, unclaimed._origins = patchset._files, patchset._origins
     try:
-        passed, note = verify_patchset(unclaimed)
-        cell = Cell(name, "verified" if passed else "fails", note)
+        code: dict[str, str] = {}
+        passed, note = verify_patchset(unclaimed, code=code)
+        cell = Cell(name, "verified" if passed else "fails", note, code=code or None)
     except Exception as exc:  # noqa: BLE001  (a row says why; the sweep goes on)
         from engine.errors import PatchError
 
@@ -257,6 +261,48 @@ def write_section(doc: Path, section: str) -> None:
     doc.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
 
 
+def record_code(names: Sequence[str] | None = None) -> dict:
+    """The code each bundled patchset patches on its tiny model under the installed release, without verifying.
+
+    For a manifest written before identities were recorded: the matrix's tiny model of each
+    patchset is built, planned and patched exactly as :func:`run` does, and the identity of the
+    code patched (:func:`engine.releases.code.patched_code`) is written for the columns where the
+    manifest already says CI verified that content (:func:`engine.releases.manifest.merged` adds
+    it to those columns only; a ``code_only`` result verifies nothing). The next :func:`run`
+    records the same identities with its verification.
+    """
+    import warnings
+
+    import transformers
+
+    from engine.commands.coverage import _tiny_model
+    from engine.loader import bundled_names, load_patchset
+    from engine.patching.patcher import apply, revert
+    from engine.releases.code import patched_code
+    from engine.releases.manifest import content_sha256
+    from engine.schema import Requires
+
+    cells = []
+    for name in names or bundled_names():
+        patchset = load_patchset(name)
+        unclaimed = patchset.model_copy(update={"requires": Requires()})
+        unclaimed._files, unclaimed._origins = patchset._files, patchset._origins
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = _tiny_model(unclaimed)
+                applied = apply(model, unclaimed, device="cpu")
+                code = patched_code(model, applied.decisions)
+                revert(model)
+        except Exception as exc:  # noqa: BLE001  (not built here: no code recorded, the column stays as it was)
+            print(f"{name}: no code recorded ({type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr, flush=True)
+            continue
+        cells.append({"patchset": name, "sha256": content_sha256(patchset), "code": code})
+        print(f"{name}: {len(code)} classes and functions", file=sys.stderr, flush=True)
+    return {"transformers": transformers.__version__, "kernels": installed_kernels(), "code_only": True,
+            "label": None, "cells": cells}
+
+
 #: The verified-content manifest in this checkout (shipped in the wheel as engine/_data/).
 #: Found from the package, not this file's ``__file__``: run by its old path (``python -m engine.matrix``, a moved
 #: module's alias) the module's code runs with no ``__file__``.
@@ -285,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("names", nargs="*", help="patchsets (default: every bundled one)")
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--label", help="name the column (newest: whatever the registry served) instead of the release")
+    p = sub.add_parser("code", help="record the code each bundled patchset patches here (no verification)")
+    p.add_argument("names", nargs="*", help="patchsets (default: every bundled one)")
+    p.add_argument("--out", required=True, help="JSON file to write (merge it with `manifest`)")
     p = sub.add_parser("render", help="write the matrix into a Markdown file; --check fails on false claims")
     p.add_argument("results", nargs="+", help="JSON files written by `run`")
     p.add_argument("--out", help="Markdown file to update between its markers")
@@ -295,8 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("results", nargs="+", help="JSON files written by `run`")
     p.add_argument("--out", default=str(MANIFEST), help=f"the manifest (default: {MANIFEST})")
     args = parser.parse_args(argv)
-    if args.command == "run":
-        Path(args.out).write_text(json.dumps(run(args.names, args.label), indent=1) + "\n", encoding="utf-8")
+    if args.command in ("run", "code"):
+        result = run(args.names, args.label) if args.command == "run" else record_code(args.names)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         return 0
     results = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.results]
     if args.command == "manifest" or args.manifest:

@@ -26,8 +26,9 @@ from torch import nn
 from engine.foundation.release_policy import Policy
 from engine.kernels.triton_interpret import is_interpreting
 from engine.planning.decisions import Plan
+from engine.releases.code import patched_code, unverified_code
 from engine.releases.key import device_kind, key_material, key_of, model_code
-from engine.releases.manifest import column_text, content_sha256, installed_column, verified_columns
+from engine.releases.manifest import column_text, content_sha256, installed_column, verified_code, verified_columns
 from engine.releases.self_verify import kernels_of
 from engine.releases.verdict import ReleaseVerdict
 from engine.runtime.release import is_bundled, verify_command
@@ -102,17 +103,36 @@ def key_for(model: nn.Module, plan: Plan) -> tuple[str, dict[str, Any]]:
     code = model_code(model)
     if code is not None:  # a checkpoint's own modeling code: its content is part of what was verified
         material["model_code"] = code
+    # the identity of the live code each patched class and function runs: a verdict is about this code, not about
+    # a name or a version (a class rebound in a notebook, an edited install, a layer file edited between processes)
+    material["code"] = patched_code(model, plan.patched)
     return key_of(material), material
 
 
-def not_known_verified(plan: Plan) -> tuple[str | None, str]:
-    """``(why it is not known verified, "")``, or ``(None, what CI verified)`` for bundled content verified here."""
+def _shown(keys: list[str], limit: int = 4) -> str:
+    names = ", ".join(key.split(" ", 1)[-1] for key in keys[:limit])
+    return names + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def not_known_verified(plan: Plan, model: nn.Module | None = None) -> tuple[str | None, str]:
+    """``(why it is not known verified, "")``, or ``(None, what CI verified)`` for bundled content verified here.
+
+    With ``model``, bundled content is known verified only where every class and function the plan
+    patches on it runs the code CI verified it on (:mod:`engine.releases.code`); without, the
+    content and the release decide (a dry answer for callers that have no model).
+    """
     sha = content_sha256(plan.patchset)
     name, columns = verified_columns(sha)
     here = installed_column()
     if name is not None and here in columns:
-        return None, (f"bundled content {name!r} as CI verified it on transformers {column_text(here)} "
-                      "(engine/_data/verified_content.json)")
+        differs = [] if model is None else unverified_code(patched_code(model, plan.patched),
+                                                            verified_code(sha, here))
+        if not differs:
+            return None, (f"bundled content {name!r} as CI verified it on transformers {column_text(here)}, on the "
+                          "code this model runs (engine/_data/verified_content.json)")
+        return (f"bundled content {name!r}, but {_shown(differs)} on this model is not the code CI verified it on "
+                f"(transformers {column_text(here)}): changed in Python, an edited install, or a class of another "
+                "module"), ""
     if plan.release is not None:
         return str(plan.release), ""
     files = plan.patchset.files
@@ -131,7 +151,7 @@ def verification_path(model: nn.Module, plan: Plan, policy: Policy) -> Verificat
     model_type = plan.model_type
     if not plan.patched:
         return VerificationPath("nothing", model_type=model_type)
-    why, detail = not_known_verified(plan)
+    why, detail = not_known_verified(plan, model)
     if why is None:  # the common path costs a hash of the content and a dict lookup, nothing more
         return VerificationPath("bundled", detail=detail, model_type=model_type)
     source = verify_command(plan.patchset)

@@ -28,7 +28,7 @@ from typing import Any
 
 __all__ = ["FILE", "FORMAT", "Column", "column_text", "content_sha256", "current_content",
            "installed_column", "installed_kernels", "load_manifest",
-           "merged", "verified_columns"]
+           "merged", "verified_code", "verified_columns"]
 
 #: The manifest, in the package's data folder (shipped in the wheel with the rest of ``engine/``).
 FILE = "verified_content.json"
@@ -77,6 +77,17 @@ def verified_columns(sha: str, manifest: Mapping[str, Any] | None = None) -> tup
     return entry.get("patchset"), [(c["transformers"], c.get("kernels")) for c in entry.get("verified_on", [])]
 
 
+def verified_code(sha: str, column: Column, manifest: Mapping[str, Any] | None = None) -> dict[str, str] | None:
+    """The code identities CI verified content ``sha`` on in ``column`` (``{"class Qwen3RMSNorm": id}``); ``None``
+    where it recorded none (a manifest written before identities were recorded, or content it never verified)."""
+    entry = (manifest if manifest is not None else load_manifest()).get("content", {}).get(sha) or {}
+    for c in entry.get("verified_on", []):
+        if (c["transformers"], c.get("kernels")) == column:
+            code = c.get("code")
+            return dict(code) if isinstance(code, dict) else None
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def installed_kernels() -> str | None:
     """The version of HF's ``kernels`` package when transformers uses it (then it wraps functions in it).
@@ -121,7 +132,9 @@ def merged(manifest: Mapping[str, Any], results: Iterable[Mapping[str, Any]], cu
     one, the newest releases of the day, is not a release CI pins and is left out). Each cell whose
     ``sha256`` is the current content of its patchset (``current``: name -> sha) adds its column
     where it verified, and removes it where it did not (a re-run that fails withdraws the claim).
-    Content no bundled file has any more is dropped.
+    Content no bundled file has any more is dropped. A verified cell's ``code`` (the identity of each
+    class and function it patched, :func:`engine.releases.code.patched_code`) is kept with its column:
+    bundled content covers only that code.
     """
     content: dict[str, dict[str, Any]] = {sha: {"patchset": e["patchset"], "verified_on": list(e["verified_on"])}
                                           for sha, e in manifest.get("content", {}).items()}
@@ -129,14 +142,17 @@ def merged(manifest: Mapping[str, Any], results: Iterable[Mapping[str, Any]], cu
         if result.get("label"):
             continue
         column = {"transformers": result["transformers"], "kernels": result.get("kernels")}
+        if result.get("code_only"):  # identities for columns already verified: adds code, never a column
+            _add_code(content, column, result["cells"])
+            continue
         for cell in result["cells"]:
             sha = cell.get("sha256")
             if not sha or current.get(cell["patchset"]) != sha:
                 continue  # a result for content the file no longer has
             entry = content.setdefault(sha, {"patchset": cell["patchset"], "verified_on": []})
-            entry["verified_on"] = [c for c in entry["verified_on"] if c != column]
+            entry["verified_on"] = [c for c in entry["verified_on"] if _column_of(c) != column]
             if cell["status"] == "verified":
-                entry["verified_on"].append(column)
+                entry["verified_on"].append({**column, **({"code": cell["code"]} if cell.get("code") else {})})
     kept = set(current.values())
     out = {}
     for sha, entry in sorted(content.items(), key=lambda kv: kv[1]["patchset"]):
@@ -144,6 +160,17 @@ def merged(manifest: Mapping[str, Any], results: Iterable[Mapping[str, Any]], cu
             entry["verified_on"].sort(key=lambda c: (_version_key(c["transformers"]), c.get("kernels") or ""))
             out[sha] = entry
     return {"about": _ABOUT, "format": FORMAT, "content": out}
+
+
+def _add_code(content: dict[str, dict[str, Any]], column: dict[str, Any], cells: Iterable[Mapping[str, Any]]) -> None:
+    for cell in cells:
+        for entry in content.get(cell.get("sha256") or "", {}).get("verified_on", []):
+            if _column_of(entry) == column and cell.get("code"):
+                entry["code"] = dict(cell["code"])
+
+
+def _column_of(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {"transformers": entry["transformers"], "kernels": entry.get("kernels")}
 
 
 def _version_key(version: str) -> tuple[Any, ...]:

@@ -46,6 +46,7 @@ from engine.planning.decisions import Plan
 from engine.runtime.control_flow import not_a_failure
 from engine.schema import Device, Patchset, TinyModel
 from engine.tiny import build_tiny_for
+from engine.tiny.adopt import adopt_classes
 from engine.tiny.construction import callers_random_state, own_construction
 from engine.verification import verify
 from engine.verification.results import failure_message
@@ -182,13 +183,21 @@ def own_code(model: nn.Module, model_type: str) -> bool:
 
 def _tiny(model: nn.Module, patchset: Patchset, plan: Plan, dtype: torch.dtype,
           tiny_copy: Callable[[nn.Module], nn.Module] | None) -> nn.Module:
-    """The tiny model to verify on: of the user's type, or a tiny copy of the user's own classes (own code)."""
+    """The tiny model to verify on: of the user's type, or a tiny copy of the user's own classes (own code).
+
+    Either way each of its modules then has the class the user's model has at that place
+    (:func:`engine.tiny.adopt.adopt_classes`): a same-named class of the user's, a subclass with
+    its own forward, is what gets verified, never transformers' class standing in for it.
+    """
     if not own_code(model, plan.model_type):
-        return tiny_for_type(patchset, plan.model_type, dtype=dtype)
-    if tiny_copy is None:
+        tiny = tiny_for_type(patchset, plan.model_type, dtype=dtype)
+    elif tiny_copy is None:
         raise InvalidArgument(f"{type(model).__name__} runs its own code ({type(model).__module__}), so no tiny "
                               f"{plan.model_type} model of transformers' can stand for it")
-    return tiny_copy(model).to(dtype)
+    else:
+        tiny = tiny_copy(model).to(dtype)
+    adopt_classes(tiny, model, required=[d.path for d in plan.patched if d.site is None])
+    return tiny
 
 
 def verify_on_this_release(model: nn.Module, plan: Plan, dtype: torch.dtype, *,

@@ -176,6 +176,33 @@ def _misfit(model: nn.Module, bundled: str, **plan_kwargs: Any) -> str:
     return ""
 
 
+def _other_code(model: nn.Module, bundled: str, **plan_kwargs: Any) -> str:
+    """Why the bundled patchset does not vouch for this model's code (``""``: CI verified it on exactly this code).
+
+    Why measure then: the bundled file was verified on transformers' classes as CI ran them; a class
+    rebound in Python, an edited install or a same-named class of the user's computes something
+    else, and with no patchset named the user asked for what fits the code they run. Where CI did
+    not run this release at all, the bundled file goes through the release gate as before.
+    """
+    from engine.releases.code import patched_code, unverified_code
+    from engine.releases.manifest import content_sha256, installed_column, verified_code, verified_columns
+
+    the_plan = plan(model, bundled, **plan_kwargs)
+    sha = content_sha256(the_plan.patchset)
+    here = installed_column()
+    if here not in verified_columns(sha)[1]:
+        return ""
+    # the fused head (an engine switch any patchset takes) goes through the release gate on its own; the family's
+    # patches decide whether the bundled file fits the code
+    patched = [d for d in the_plan.patched if d.op != "fused_linear_cross_entropy"]
+    differs = unverified_code(patched_code(model, patched), verified_code(sha, here))
+    if not differs:
+        return ""
+    names = ", ".join(key.split(" ", 1)[-1] for key in differs[:4]) + (" ..." if len(differs) > 4 else "")
+    return (f"the bundled patchset {bundled!r} was verified by CI on other code than this model runs ({names}: changed "
+            "in Python, an edited install, or a class of another module), so this model was measured instead")
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_.-" else "_" for c in name) or "measured"
 
@@ -194,6 +221,7 @@ def choose(
     plan_kwargs = {"device": device, "mode": mode}
     if bundled is not None:
         misfit = _misfit(inner, bundled, fused_cross_entropy=fused_cross_entropy, **plan_kwargs)
+        misfit = misfit or _other_code(inner, bundled, fused_cross_entropy=fused_cross_entropy, **plan_kwargs)
         if not misfit:
             record.source, record.bundled = "bundled", bundled
             return Choice(record, bundled)

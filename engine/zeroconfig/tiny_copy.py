@@ -12,10 +12,7 @@ name, which may compute something else). ``type(config).from_dict`` and
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +20,7 @@ from torch import nn
 
 from engine.errors import InvalidArgument
 from engine.tiny import BASE_KWARGS, perturb_
+from engine.tiny.adopt import adopt_classes
 from engine.tiny.config import tiny_overrides
 from engine.tiny.construction import own_construction
 
@@ -111,7 +109,8 @@ def shrunk_config(config: Any, *, by_type: bool = False) -> Any:
 
 
 def tiny_copy(model: nn.Module, *, seed: int = 0) -> nn.Module:
-    """``type(model)`` built from :func:`shrunk_config` of its config, fp32, perturbed, in training mode.
+    """``type(model)`` built from :func:`shrunk_config` of its config, fp32, perturbed, in training mode, with the
+    user's own module classes where they replaced transformers' (:func:`engine.tiny.adopt.adopt_classes`).
 
     Raises :class:`InvalidArgument` where the classes cannot build a small model (the caller
     reports it: nothing is measured then), naming the sizes it tried.
@@ -122,12 +121,14 @@ def tiny_copy(model: nn.Module, *, seed: int = 0) -> nn.Module:
         raise InvalidArgument(f"{cls.__name__} is no transformers PreTrainedModel (no config, no _from_config): "
                               "nothing to build a tiny copy from; name a patchset")
     try:
-        return _built(cls, shrunk_config(config), seed)
+        tiny = _built(cls, shrunk_config(config), seed)
     except Exception as first:  # noqa: BLE001  (sizes that must agree across parts: the type's own tiny sizes)
         try:
-            return _built(cls, shrunk_config(config, by_type=True), seed)
+            tiny = _built(cls, shrunk_config(config, by_type=True), seed)
         except Exception:  # noqa: BLE001
             raise first from None
+    adopt_classes(tiny, model)  # the user's own module classes where they replaced transformers' (same layout)
+    return tiny
 
 
 def _built(cls: type, small: Any, seed: int) -> nn.Module:
@@ -143,25 +144,25 @@ def _built(cls: type, small: Any, seed: int) -> nn.Module:
     return perturb_(tiny.float(), seed=seed).train()
 
 
-def _source_digest(obj: Any) -> str:
-    """sha256 of the file a class is defined in (remote code: two checkpoints may share a class name)."""
-    module = sys.modules.get(getattr(obj, "__module__", ""), None)
-    try:
-        path = inspect.getsourcefile(module) if module is not None else None
-        data = Path(path).read_bytes() if path else b""
-    except (OSError, TypeError):
-        data = b""
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def code_identity(model: nn.Module) -> dict[str, Any]:
-    """What a measurement depends on besides the release: the classes, their code, and the shrunk config."""
+    """What a measurement depends on besides the release: the classes, the identity of their live code, the config.
+
+    The code is read from the live objects (:func:`engine.foundation.code_identity.code_identity`
+    of every class in the model and of its config class), not from a file: a layer file edited
+    between two processes, a class's forward rebound in Python, or classes defined in a notebook
+    (no file at all) each give another identity, so no cached measurement or verdict is reused
+    for code it was not measured on.
+    """
+    from engine.foundation.code_identity import code_identity as live_identity
+
     cls, config = type(model), model.config
     small = _shrunk_values(config)
+    classes = {type(m) for m in model.modules()} | {type(config)}
+    code = sorted(f"{c.__module__}.{c.__qualname__}={live_identity(c)}" for c in classes)
     return {
         "model_type": str(getattr(config, "model_type", "")),
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "config_class": f"{type(config).__module__}.{type(config).__qualname__}",
-        "code": [_source_digest(cls), _source_digest(type(config))],
+        "code": code,
         "config_sha256": hashlib.sha256(json.dumps(small, sort_keys=True, default=str).encode()).hexdigest(),
     }

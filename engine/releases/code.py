@@ -1,0 +1,55 @@
+"""The code a plan patches, by identity, and whether CI verified bundled content on exactly that code.
+
+Why: bundled content used to be vouched for by its content hash and the release's version, so a
+class rebound in Python, a same-named class of the user's, or an edited transformers install
+under the same version was patched as "verified". A verdict now names the code it ran
+(:func:`engine.foundation.code_identity.code_identity`): the matrix records, per release, the
+identity of every class and function each bundled patchset patched in its verification (the
+manifest's ``code``), and :func:`unverified_code` compares the live code the user's plan patches
+with it. Any difference is code nobody verified: the gate verifies it where it runs, like a
+release CI did not run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from engine.foundation.code_identity import code_identity
+
+__all__ = ["code_key", "patched_code", "unverified_code"]
+
+
+def code_key(decision: Any, module: nn.Module | None) -> tuple[str, Any]:
+    """``("class Qwen3RMSNorm", the class)`` or ``("function apply_rotary_pos_emb", the function)`` of a decision."""
+    if decision.site is not None:
+        namespace = sys.modules.get(decision.site.namespace)
+        return f"function {decision.site.function}", getattr(namespace, decision.site.function, None)
+    cls = type(module) if module is not None else None
+    return f"class {cls.__qualname__ if cls is not None else decision.cls}", cls
+
+
+def patched_code(model: nn.Module, decisions: Iterable[Any]) -> dict[str, str]:
+    """``{"class Qwen3RMSNorm": identity, ...}`` for every class and function ``decisions`` patch on ``model``.
+
+    Two classes of one name at once (a user's ``Qwen3RMSNorm`` in some layers, transformers' in
+    others) give both identities, joined, so neither can pass for the other.
+    """
+    modules = dict(model.named_modules())
+    found: dict[str, set[str]] = {}
+    for d in decisions:
+        if getattr(d, "action", "patch") != "patch":
+            continue
+        key, obj = code_key(d, modules.get(d.path))
+        found.setdefault(key, set()).add(code_identity(obj) if obj is not None else "missing")
+    return {key: "+".join(sorted(ids)) for key, ids in sorted(found.items())}
+
+
+def unverified_code(live: Mapping[str, str], recorded: Mapping[str, str] | None) -> list[str]:
+    """The keys of ``live`` whose identity is not the one CI recorded (all of them where nothing was recorded)."""
+    if recorded is None:
+        return sorted(live)
+    return sorted(key for key, identity in live.items() if recorded.get(key) != identity)
