@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,9 +27,12 @@ from engine.errors import (
     PatchsetError,
     SignatureMismatch,
     TargetNotFound,
+    shortened,
 )
 from engine.foundation.see_through import see_through
 from engine.ops.base import FunctionOp, ModuleOp, get_op
+from engine.planning.call_sites import calls_name as _calls_name
+from engine.planning.call_sites import never_calls
 from engine.planning.decisions import Decision, FunctionSite, Mode, Plan
 from engine.planning.kernel_choice import resolve_kernel
 from engine.runtime.devices import resolve_device
@@ -231,7 +233,7 @@ def _located(exc: PatchError, patchset: Patchset, index: int) -> PatchError:
     from engine.loader import patch_location
 
     key = getattr(exc, "patch_key", None) or _ERROR_KEYS.get(type(exc))
-    where = patch_location(patchset, index, key)
+    where = shortened(patch_location(patchset, index, key))  # a 4,000-character path by its ends
     if where and exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(where):
         exc.args = (where + exc.args[0], *exc.args[1:])
     return exc
@@ -355,45 +357,26 @@ def _float_dtype(modules: Iterable[nn.Module]) -> torch.dtype | None:
     return None
 
 
-def _calls_name(cls: type, name: str) -> dict[str, Any] | None:
-    """The globals ``cls.forward`` resolves ``name`` in, if its code (through decorators) names it.
-
-    Through decorators: ``__wrapped__`` where the decorator set it, else the functions its closure
-    holds (transformers 5.15's ``force_accelerate_hooks`` wraps a forward without ``functools.wraps``).
-    """
-    pending = [getattr(cls, "forward", None)]
-    seen = 0
-    while pending and seen < 16:
-        forward = pending.pop(0)
-        seen += 1
-        code = getattr(forward, "__code__", None)
-        if code is not None and name in code.co_names:
-            return forward.__globals__  # type: ignore[union-attr]
-        inner = getattr(forward, "__wrapped__", None)
-        if inner is not None:
-            pending.append(inner)
-        else:
-            cells = getattr(forward, "__closure__", None) or ()
-            pending += [c.cell_contents for c in cells if isinstance(_cell_value(c), types.FunctionType)]
-    return None
-
-
-def _cell_value(cell: Any) -> Any:
-    """A closure cell's content; None for a cell not yet filled."""
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return None
-
-
 def _plan_function_patch(
     model: nn.Module, patchset: Patchset, index: int, patch: FunctionPatch, op: FunctionOp, device: Device, mode: Mode
 ) -> Iterator[Decision]:
     sites: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    uncalled: dict[str, str] = {}  # namespace -> why its forwards never call it for this config
     for path, module in model.named_modules():
         namespace = _calls_name(type(module), patch.function)
         if namespace is not None and patch.function in namespace:
-            sites.setdefault(namespace["__name__"], (namespace, []))[1].append(path)
+            why = never_calls(module, patch.function)  # Falcon with alibi: true never calls rope
+            if why is None:
+                sites.setdefault(namespace["__name__"], (namespace, []))[1].append(path)
+            else:
+                uncalled.setdefault(namespace["__name__"], why)
+    if not sites and uncalled:
+        for name, why in uncalled.items():
+            yield Decision(
+                path=f"{name}.{patch.function}", cls="function", op=op.name, patch_index=index, action="skip",
+                kernel=None, reason=f"never called for this config: {why}", patch=patch,
+            )
+        return
     if not sites:
         if patch.optional:
             yield Decision(
@@ -418,8 +401,14 @@ def _plan_function_patch(
         yield Decision(
             path=f"{name}.{patch.function}", cls="function", op=op.name, patch_index=index,
             action="patch" if provider else "skip", kernel=provider.name if provider else None,
-            reason=f"{reason}; called by {len(callers)} modules", patch=patch, provider=provider, site=site,
+            reason=f"{reason}; called by {len(callers)} modules{_uncalled_note(uncalled)}", patch=patch,
+            provider=provider, site=site,
         )
+
+
+def _uncalled_note(uncalled: dict[str, str]) -> str:
+    """The callers left out because their config never calls the function (Llama 4's no-rope layers), if any."""
+    return "".join(f"; modules left out: {why}" for why in uncalled.values())
 
 
 def _original_function(function: Callable[..., Any]) -> Callable[..., Any]:
