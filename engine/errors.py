@@ -8,6 +8,7 @@ PyTorch user would reach for first (``ValueError``, ``LookupError``, ``ImportErr
 
 from __future__ import annotations
 
+import os
 import re
 
 __all__ = [
@@ -61,6 +62,29 @@ def shortened(text: str) -> str:
     return text
 
 
+def shown_path(path: object) -> str:
+    """A user's path as a message shows it: as written where every character prints, else escaped as ``repr`` does.
+
+    Why: a NUL byte, a newline or a terminal escape in a patchset path was printed raw, so a message could
+    hide or forge what follows it; ``'a\\x00b.yaml'`` says exactly what was given. Long paths are cut by
+    :func:`shortened` where the message is.
+    """
+    text = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else str(path)
+    return text if text.isprintable() else repr(text)
+
+
+class _Capped:
+    """An error whose message echoes names and lists by their ends (:func:`shortened`), as paths are.
+
+    Why: a 100,000-character target or model type, or a list of 100,000 model types, was repeated whole.
+    """
+
+    def __init__(self, *args: object):
+        if args and isinstance(args[0], str):
+            args = (shortened(args[0]), *args[1:])
+        super().__init__(*args)
+
+
 class PatchsetError(PatchError, ValueError):
     """A patchset file is malformed: YAML syntax, unknown key, wrong value, bad ``extends``.
 
@@ -82,7 +106,7 @@ class PatchsetError(PatchError, ValueError):
         """``file:line: key: `` with whatever parts are known."""
         where = ""
         if self.file is not None:
-            where = self.file + (f":{self.line}" if self.line is not None else "") + ": "
+            where = shown_path(self.file) + (f":{self.line}" if self.line is not None else "") + ": "
         elif self.line is not None:
             where = f"line {self.line}: "
         if self.key:
@@ -90,7 +114,7 @@ class PatchsetError(PatchError, ValueError):
         return where
 
 
-class ModelTypeMismatch(PatchError, ValueError):
+class ModelTypeMismatch(_Capped, PatchError, ValueError):
     """The patchset was written for other ``model_type`` values than the model's."""
 
 
@@ -98,7 +122,7 @@ class VersionMismatch(PatchError, RuntimeError):
     """The installed library version is outside the range the patchset was written for."""
 
 
-class TargetNotFound(PatchError, LookupError):
+class TargetNotFound(_Capped, PatchError, LookupError):
     """A declared target (class or function) matched nothing in the model: a silent no-op otherwise."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.errors import PatchsetError
+from engine.errors import PatchsetError, shown_path
 
 _YAML_EXT = (".yaml", ".yml")
 
@@ -150,6 +150,6 @@ def _resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathL
             return bundled
     if is_path_object and _has_yaml_suffix(base.name):
         raise PatchsetError("no such file", file=str(base))
-    looked = ", ".join(dict.fromkeys(tried))
+    looked = ", ".join(shown_path(t) for t in dict.fromkeys(tried))  # a NUL byte escaped, never printed raw
     what = "not a bundled name and no such file" if bare else "no such file"
     raise PatchsetError(f"no patchset {text!r}: {what} (looked at {looked}); {_bundled_hint()}")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.errors import InvalidArgument
+from engine.errors import InvalidArgument, shown_path
 
 __all__ = ["is_folder", "model_from_folder", "transformers_code"]
 
@@ -62,12 +62,12 @@ def _remote_code_files(auto_map: dict[str, Any]) -> list[str]:
 
 def _read_config_json(path: Path) -> dict[str, Any]:
     if not path.is_dir():
-        raise InvalidArgument(f"--model {path}: no such folder (it takes a local checkpoint folder)")
+        raise InvalidArgument(f"--model {shown_path(path)}: no such folder (it takes a local checkpoint folder)")
     file = path / "config.json"
     if not file.is_file():
         raise InvalidArgument(
-            f"--model {path}: the folder has no config.json; it takes a checkpoint folder as save_pretrained "
-            "writes it (a hub repository must be downloaded first, e.g. with `hf download`)"
+            f"--model {shown_path(path)}: the folder has no config.json; it takes a checkpoint folder as "
+            "save_pretrained writes it (a hub repository must be downloaded first, e.g. with `hf download`)"
         )
     try:
         return dict(json.loads(file.read_text()))
@@ -98,7 +98,7 @@ def model_from_folder(
     auto_map = raw.get("auto_map") or {}
     if auto_map and not trust_remote_code and raw.get("model_type") not in CONFIG_MAPPING:
         raise InvalidArgument(
-            f"{path} holds its own model code: config.json maps "
+            f"{shown_path(path)} holds its own model code: config.json maps "
             + ", ".join(f"{k} -> {v}" for k, v in auto_map.items())
             + f" (auto_map), so loading it runs {', '.join(_remote_code_files(auto_map))} from that folder. "
             "Read that code, then pass --trust-remote-code (engine.scaffold(path, trust_remote_code=True))"
@@ -106,7 +106,7 @@ def model_from_folder(
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001  (whatever the folder's config or code raises: say where)
-        raise InvalidArgument(f"could not load the config of {path}: {type(exc).__name__}: {exc}") from exc
+        raise InvalidArgument(f"could not load the config of {shown_path(path)}: {type(exc).__name__}: {exc}") from exc
     if weights:
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32)
         return model, None
@@ -119,7 +119,8 @@ def model_from_folder(
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code, attn_implementation="eager")
     except Exception as exc:  # noqa: BLE001
         raise InvalidArgument(
-            f"could not build a tiny model from {path}'s config with the sizes {sizes}: {type(exc).__name__}: {exc}. "
+            f"could not build a tiny model from {shown_path(path)}'s config with the sizes {sizes}: "
+            f"{type(exc).__name__}: {exc}. "
             "Pass the keys that fit with --config '{...}' (engine.scaffold(path, config={...})), or --weights to "
             "measure the checkpoint as saved"
         ) from exc
@@ -145,7 +146,7 @@ def _refuse_large(path: Path, cfg: Any, trust_remote_code: bool) -> None:
     if count > MAX_TINY_PARAMETERS:
         ints = sorted(k for k, v in cfg.to_dict().items() if isinstance(v, int) and not isinstance(v, bool) and v > 64)
         raise InvalidArgument(
-            f"the tiny model built from {path}'s config would still have {count / 1e6:.0f}M parameters: the size "
-            f"rules do not know its size keys. Pass small values with --config '{{...}}' (its int keys over 64: "
-            f"{', '.join(ints)}), or --weights to measure the checkpoint as saved"
+            f"the tiny model built from {shown_path(path)}'s config would still have {count / 1e6:.0f}M parameters: "
+            f"the size rules do not know its size keys. Pass small values with --config '{{...}}' (its int keys "
+            f"over 64: {', '.join(ints)}), or --weights to measure the checkpoint as saved"
         )
