@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import copy
+import difflib
 import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from engine.errors import PatchsetError
+from engine.errors import PatchsetError, shown_path
 from engine.loader.extends import load_raw
-from engine.loader.messages import Origin, Path_, combine, validation_errors
+from engine.loader.messages import Origin, Path_, combine, error_at, key_text, validation_errors
 from engine.loader.names import resolve
-from engine.loader.yaml_lines import parse_yaml, read_text
+from engine.loader.yaml_lines import MAX_DEPTH, parse_yaml, read_text
 from engine.schema import Patchset
 
 
@@ -32,6 +33,8 @@ def _finish(
         patchset = Patchset.model_validate(data)
     except ValidationError as exc:
         errors.extend(validation_errors(exc, data, origins, have_duplicates=bool(errors)))
+    else:
+        errors.extend(_tiny_type_errors(patchset, origins))
     if errors:
         raise combine(errors, files)
     patchset._files = tuple(f for f in dict.fromkeys(files) if f is not None)
@@ -39,6 +42,57 @@ def _finish(
         path[1:]: origin for path, origin in origins.items() if len(path) in (2, 3) and path[0] == "patches"
     }
     return patchset
+
+
+def _tiny_type_errors(patchset: Patchset, origins: dict[Path_, Origin]) -> list[PatchsetError]:
+    """``tiny_model.model_type`` must be one of ``model_types``: the tiny model is what verifies the patchset.
+
+    Why: ``model_type: qwen33`` (a typo) was dropped without a word, and ``patch-engine verify`` verified a
+    tiny qwen3 instead; a type the patchset is not for could never be planned on anyway (ModelTypeMismatch).
+    """
+    tiny = patchset.tiny_model
+    if tiny is None or tiny.model_type is None or tiny.model_type in patchset.model_types:
+        return []
+    types = list(dict.fromkeys(patchset.model_types))
+    close = difflib.get_close_matches(tiny.model_type, types, n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+            else f"write one of {', '.join(repr(t) for t in types[:20])}{' ...' if len(types) > 20 else ''}")
+    problem = (f"{tiny.model_type!r} is not one of this patchset's model_types, so no tiny model of it can verify "
+               f"the patchset; {hint} (or add it to model_types, or drop the key: the first model type is the "
+               "default)")
+    return [error_at(problem, ("tiny_model", "model_type"), origins)]
+
+
+_SCALARS = (str, bool, int, float, type(None))
+
+
+def plain_copy(value: Any, path: Path_ = ()) -> Any:
+    """A copy of an in-memory patchset made of what YAML can write: mappings, lists, strings, numbers, booleans, null.
+
+    Tuples become lists; a validated schema model (a patch) is copied as it is. Anything else (a generator, a set, an object), and nesting deeper than a file may nest
+    (:data:`MAX_DEPTH`, which also ends a mapping that holds itself), is a :class:`PatchsetError` naming the key
+    path and the fix; nothing is read from the value but its type.
+    """
+    if isinstance(value, _SCALARS):
+        return value
+    if len(path) >= MAX_DEPTH and isinstance(value, (dict, list, tuple)):
+        raise PatchsetError(f"nested more than {MAX_DEPTH} levels deep (a mapping or list that holds itself?); a "
+                            "patchset is a few levels deep: flatten it", key=key_text(path[:MAX_DEPTH]))
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, _SCALARS):
+                raise PatchsetError(f"a key of type {type(key).__name__} is not patchset data; keys are strings",
+                                    key=key_text(path))
+            out[key] = plain_copy(item, path + (key if isinstance(key, str) else str(key),))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [plain_copy(item, path + (i,)) for i, item in enumerate(value)]
+    if isinstance(value, BaseModel):  # a patch already validated (a RmsNormPatch): as it was, copied
+        return value.model_copy(deep=True)
+    hint = " (write it as a list: list(...))" if hasattr(value, "__iter__") else ""
+    raise PatchsetError(f"a {type(value).__name__} is not patchset data: a patchset holds what YAML can write "
+                        f"(mappings, lists, strings, numbers, true/false, null){hint}", key=key_text(path))
 
 
 @contextmanager
@@ -69,6 +123,7 @@ def patch_location(patchset: Patchset, index: int, key: str | None = None) -> st
         file, line = origins.get((index,), (None, None))
     if file is None:
         return ""
+    file = shown_path(file)
     return f"{file}:{line}: " if line is not None else f"{file}: "
 
 
@@ -87,7 +142,7 @@ def load_patchset(source: str | os.PathLike | dict) -> Patchset:
     """
     with _collector_paused():
         if isinstance(source, dict):
-            data = copy.deepcopy(source)
+            data = plain_copy(source)  # not deepcopy: a generator was a raw TypeError, 5,000 levels a RecursionError
             return _finish(data, {}, None, [], [None])
         if not isinstance(source, (str, os.PathLike)):
             raise PatchsetError(f"a patchset source is a name, a path or a dict, not {type(source).__name__}")

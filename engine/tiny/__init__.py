@@ -333,7 +333,12 @@ def build_tiny_for(
     outside = check_release(patchset, mt)  # the version refusal comes before anything is built
     config = dict(tiny.config) if tiny else {}
     file = _patchset_file(patchset)
-    check_tiny_config(mt, config, file=file)
+    try:
+        check_tiny_config(mt, config, file=file)
+    except InvalidArgument as exc:  # the file's own tiny_model.model_type: a key of the file, not an argument
+        if not (tiny and tiny.model_type == mt):
+            raise
+        raise PatchsetError(str(exc), file=file, key="tiny_model.model_type") from None
     from engine.tiny.budget import check_tiny_budget  # a config over the budget is refused before anything is built
 
     check_tiny_budget(mt, config, file=file)
