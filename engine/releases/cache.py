@@ -150,7 +150,7 @@ class VerdictStore:
         if not self._warned and self.untrusted:
             self._warned = True
             _warn(f"cached verdicts are not trusted: {self.untrusted}. Verifying again; this verdict is used and not "
-                  "kept there (an entry is written only where it would be trusted)")
+                  "kept there (an entry is written only where it would be trusted)", about=self.root)
 
     @contextlib.contextmanager
     def _opened(self, create: bool) -> Iterator[int | None]:
@@ -236,25 +236,27 @@ class VerdictStore:
                     return None
                 data = self._read_entry(folder, path)
         except OSError as exc:
-            _warn(f"cannot read the cached verdict {path} ({exc.strerror or exc}); verifying again")
+            _warn(f"cannot read the cached verdict {path} ({exc.strerror or exc}); verifying again", about=path)
             return None
         if data is None:
             return None
         try:
             entry = json.loads(data.decode("utf-8"))
         except ValueError as exc:
-            _warn(f"ignored the cached verdict {path}: not JSON ({str(exc)[:200]}); verifying again and overwriting it")
+            _warn(f"ignored the cached verdict {path}: not JSON ({str(exc)[:200]}); verifying again and overwriting it",
+                  about=path)
             return None
         problem = _unusable(entry, material)
         if problem:
-            _warn(f"ignored the cached verdict {path}: {problem}; verifying again and overwriting it")
+            _warn(f"ignored the cached verdict {path}: {problem}; verifying again and overwriting it", about=path)
             return None
         return entry
 
     def _read_entry(self, folder: int, path: Path) -> bytes | None:
         """The bytes of a regular, private, small entry file; ``None`` (warned where it exists) otherwise."""
         if folder < 0 and path.is_symlink():
-            _warn(f"ignored the cached verdict {path}: it is a symlink, not followed; verifying again and replacing it")
+            _warn(f"ignored the cached verdict {path}: it is a symlink, not followed; verifying again and replacing it",
+                  about=path)
             return None
         try:
             fd = self._open_at(folder, path.name, os.O_RDONLY | _O_NONBLOCK)
@@ -263,7 +265,7 @@ class VerdictStore:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 _warn(f"ignored the cached verdict {path}: it is a symlink, not followed; verifying again and "
-                      "replacing it")
+                      "replacing it", about=path)
                 return None
             raise
         try:
@@ -276,7 +278,7 @@ class VerdictStore:
             elif (private := _not_private(st)) is not None:
                 why = f"not private ({private}), so not necessarily written by you"
             if why:
-                _warn(f"ignored the cached verdict {path}: {why}; verifying again and replacing it")
+                _warn(f"ignored the cached verdict {path}: {why}; verifying again and replacing it", about=path)
                 return None
             chunks, size = [], 0
             while size <= MAX_ENTRY_BYTES:
@@ -286,7 +288,8 @@ class VerdictStore:
                 chunks.append(chunk)
                 size += len(chunk)
             if size > MAX_ENTRY_BYTES:  # it grew after fstat
-                _warn(f"ignored the cached verdict {path}: larger than {MAX_ENTRY_BYTES:,} bytes; verifying again")
+                _warn(f"ignored the cached verdict {path}: larger than {MAX_ENTRY_BYTES:,} bytes; verifying again",
+                      about=path)
                 return None
             return b"".join(chunks)
         finally:
@@ -418,5 +421,28 @@ def _checksum(entry: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
 
 
-def _warn(message: str) -> None:
+#: What was said about which file as it was then: (message, identity). An apply reads its key twice (whether it
+#: is cached, then under the lock), so a bad entry or an untrusted folder was warned about twice per apply.
+_SAID: set[tuple[str, tuple[int, ...] | None]] = set()
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """The file or folder at ``path`` as it is now (not followed); ``None`` where it cannot be looked at."""
+    try:
+        st = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _warn(message: str, about: Path | None = None) -> None:
+    """Warn once per cause: a message ``about`` a file is said again only once that file changed (a bad entry
+    is replaced by the fresh verdict; an untrusted folder, until fixed, is said once per process)."""
+    if about is not None:
+        cause = (message, _identity(about))
+        if cause in _SAID:
+            return
+        if len(_SAID) > 4096:  # a long-lived process: forget, never grow without bound
+            _SAID.clear()
+        _SAID.add(cause)
     warnings.warn(f"patch-engine: {message}", VerdictCacheWarning, stacklevel=4)
