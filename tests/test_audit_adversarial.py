@@ -267,20 +267,24 @@ def test_a_bit_equal_forward_over_a_backward_within_rounding_passes_and_explains
 
 
 def test_a_backward_only_change_never_explains_logits_that_moved() -> None:
-    """The rule itself: logits not bit-identical while every change found has a bit-equal forward is a change the
-    detector cannot see, even where a backward differs within its rounding error."""
+    """The rule itself: logits not bit-identical while every change found has a bit-equal forward differs, even where
+    a backward differs within its rounding error; "a change the detector cannot see" only where putting every change
+    found back leaves the whole model not bit-identical (issue 46), and where it is bit-identical then, it passes."""
     from engine.auditing.report import AuditReport, Row
     from engine.verification.results import Check
 
     row = Row("model.norm", "Qwen3RMSNorm", "forward replaced", "", "passes", 1e-9, 0.5, forward_same=True)
 
-    def report(logits: float) -> AuditReport:
+    def report(logits: float, accounted: bool | None = False) -> AuditReport:
         checks = [Check("<model>", "Qwen3ForCausalLM", "model", "logits", "fp32", logits, 0.0, True),
                   Check("<model>", "Qwen3ForCausalLM", "model", "grads", "fp32", 1e-9, 0.0, True)]
-        return AuditReport("p", "Qwen3ForCausalLM", "qwen3", "fp32", rows=[row], model_checks=checks)
+        return AuditReport("p", "Qwen3ForCausalLM", "qwen3", "fp32", rows=[row], model_checks=checks,
+                           accounted=accounted)
 
     assert report(0.0).verdict == "passes"
     assert report(1e-7).verdict == "differs" and "cannot see" in report(1e-7).summary()
+    assert report(1e-7, None).verdict == "differs" and "cannot see" not in report(1e-7, None).summary()
+    assert report(1e-7, True).verdict == "passes" and "account for it" in report(1e-7, True).summary()
 
 
 class _WritesIntoItsGradient(torch.autograd.Function):

@@ -324,6 +324,10 @@ def _process_changes(original: nn.Module, process: list[ProcessChange], function
                                 "through" if via is not None else "model", via))
         elif change.kind == "class attribute" and change.owner in used_classes:
             continue  # reported with each module of that class above
+        elif change.kind == "setting":  # grad mode, a mode left entered: every model runs under it
+            found.append(Change(change.where, "-", "process setting changed", change.describe(), "model"))
+        elif change.kind == "function" and isinstance(change.before, types.ModuleType):  # sdpa's ``torch`` proxied
+            found.append(Change(change.where, "-", "module rebound", change.describe(), "model"))
         elif change.kind == "registry entry":  # looked up by key at run time (an attention implementation)
             found.append(Change(change.where, "-", "registry entry", change.describe(), "registry", change))
         elif _elsewhere(change, own_modules):

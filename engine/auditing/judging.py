@@ -121,6 +121,11 @@ def judge_registry(change: Change, model: nn.Module, records: dict[Any, Recorded
     process = change.via
     row = Row(change.path, "-", change.kind, change.detail, "whole model")
     running = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if process.owner.startswith("torch.optim."):  # a global optimizer hook: it runs only when a step is taken
+        row.result = "unchecked"
+        row.note = ("a global optimizer hook runs at every optimizer step of every optimizer in the process; the "
+                    "audit takes no optimizer step, so nothing here ran it (it is put back after the audit)")
+        return row
     if "ATTENTION" not in process.owner.upper():
         row.note = "a registry the model's code looks names up in (activations when a model is built): judged by the " \
                    "whole-model checks"
@@ -168,6 +173,10 @@ _WHOLE_MODEL = {
     "module": "judged by the whole-model checks (it holds the decoder layers, or the original's run never called it)",
     "library function rebound": "a library function the model's code may call (a loss calls torch's cross_entropy): "
                                 "judged by the whole-model checks",
+    "module rebound": "a module a library's code calls through (transformers' sdpa calls torch.nn.functional through "
+                      "its ``torch``): judged by the whole-model checks",
+    "process setting changed": "every model in the process runs under it: judged by the whole-model checks, and put "
+                               "back after the audit",
 }
 
 

@@ -10,9 +10,11 @@ patch, lists what differs after it (:meth:`ProcessState.changes`) and puts it ba
 
 What is watched: every module (not package) of ``transformers``, ``torch.nn.functional`` and
 ``torch.nn.modules``, ``torch``'s own namespace and ``torch.Tensor``'s class (``torch.rsqrt`` or
-``torch.Tensor.pow`` rebound by a patch would otherwise stay rebound after the audit), and the
-module of every class the model is built from (remote code, a user's own); of each, its namespace
-and the ``__dict__`` of each class it defines. A watched module first imported *while the patch
+``torch.Tensor.pow`` rebound by a patch would otherwise stay rebound after the audit), ``torch.optim.optimizer``
+(its global step hooks), and the module of every class the model is built from (remote code, a user's own); of
+each, its namespace and the ``__dict__`` of each class it defines. A module a name held is watched too: transformers'
+sdpa module's ``torch`` swapped for a proxy reaches every sdpa model in the process. And torch's process-wide
+settings and mode stacks (:mod:`engine.auditing.settings`). A watched module first imported *while the patch
 runs* (twinkle imports every family of its map) is recorded the moment its import finishes, before
 the patch can change it (:class:`_ImportWatcher`), so it is restored too.
 """
@@ -27,10 +29,13 @@ from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.auditing.settings import Setting, settings
+from engine.auditing.settings import same as same_setting
+
 __all__ = ["ProcessChange", "ProcessState", "describe_object", "put_back", "watched_names"]
 
 #: Prefixes of the module names watched in every process (the model's own modules are added).
-WATCHED = ("transformers.", "torch.nn.functional", "torch.nn.modules.")
+WATCHED = ("transformers.", "torch.nn.functional", "torch.nn.modules.", "torch.optim.optimizer")
 #: torch's own namespaces a model's code calls into (``torch.rsqrt``, ``torch.Tensor.pow``): watched for names
 #: *rebound* only. torch fills these in lazily as it runs; a name it adds is not a patch and is left alone.
 LIBRARY_NAMESPACES = frozenset({"torch", "torch._tensor"})
@@ -57,7 +62,8 @@ class ProcessChange:
 
     owner: str          # "transformers.models.olmo2.modeling_olmo2" or "...modeling_olmo2.Olmo2MLP"
     name: str
-    kind: str           # "function" (a module-level name), "class attribute" or "registry entry" (a key of a dict)
+    kind: str           # "function" (a module-level name), "class attribute", "registry entry" (a key of a dict)
+    #                     or "setting" (a process-wide torch setting: :mod:`engine.auditing.settings`)
     before: Any
     after: Any
     holder: Any = field(default=None, repr=False, compare=False)  # the module, class or dict to put ``before`` back in
@@ -65,14 +71,24 @@ class ProcessChange:
 
     @property
     def where(self) -> str:
+        if self.kind == "setting":
+            return self.owner
         return f"{self.owner}[{self.name}]" if self.kind == "registry entry" else f"{self.owner}.{self.name}"
 
     def describe(self) -> str:
+        if self.kind == "setting":
+            return f"{self.owner} {_shown(self.before)} -> {_shown(self.after)}"
         if self.after is _MISSING:
             return f"{self.where} deleted"
         if self.before is _MISSING:
             return f"{self.where} added: {describe_object(self.after)}"
         return f"{self.where} rebound to {describe_object(self.after)}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple) and all(not isinstance(v, (bool, int, float, str)) for v in value):
+        return "[" + ", ".join(describe_object(v) for v in value) + "]"  # a stack of modes
+    return repr(value)
 
 
 def describe_object(value: Any) -> str:
@@ -135,6 +151,7 @@ class ProcessState:
         self.tables: set[int] = set()
         for name in watched_names(self.extra):
             self.records[name] = _Record(sys.modules[name]).without(self.tables)
+        self.settings = [(setting, setting.get()) for setting in settings()]
 
     @contextlib.contextmanager
     def watching_imports(self) -> Iterator[None]:
@@ -176,6 +193,10 @@ class ProcessState:
                     if before is not after and _patched(before, after):
                         found.append(ProcessChange(f"{name}.{label}", repr(key), "registry entry", before, after,
                                                    table, key))
+        for setting, before in self.settings:
+            after = setting.get()
+            if not same_setting(before, after):
+                found.append(ProcessChange(setting.name, "", "setting", before, after, setting))
         return found
 
     @contextlib.contextmanager
@@ -216,12 +237,16 @@ def _patched(before: Any, after: Any) -> bool:
             value = value[0]
         return value is not _MISSING and callable(value) and not isinstance(value, types.ModuleType)
 
-    return code(before) or code(after)
+    # a module a name held, rebound (transformers' sdpa module's ``torch`` swapped for a proxy that scales
+    # ``scaled_dot_product_attention``): a patch. A submodule an import adds to its package is not.
+    return code(before) or code(after) or (isinstance(before, types.ModuleType) and after is not _MISSING)
 
 
 def put_back(change: ProcessChange, value: Any) -> None:
     """Set ``change``'s name (or registry key) to ``value``: its ``before`` to undo it, its ``after`` to redo it."""
-    if isinstance(change.holder, dict):
+    if isinstance(change.holder, Setting):
+        change.holder.set(value)
+    elif isinstance(change.holder, dict):
         _put(change.holder, change.key, value)
     else:
         _put_attr(change.holder, change.key, value)

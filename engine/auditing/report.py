@@ -75,6 +75,10 @@ class AuditReport:
     #: What the patch's kernels ran on where they cannot run natively here ("Triton's interpreter", "the
     #: torch_npu emulator"): a finding that rests on it is labelled and kept apart from exact arithmetic.
     reading: str = ""
+    #: Where the whole model is not bit-identical and every change found is: with all of them put back on the
+    #: patched copy, the whole model is bit-identical (True: they account for it), still is not (False), or it
+    #: could not be shown (None: not tried, or a change found cannot be put back).
+    accounted: bool | None = None
 
     def _on_reading(self, row: Row) -> bool:
         """Whether a finding rests on the reading: a number of a kernel it ran, not another declaration reproduced
@@ -106,12 +110,18 @@ class AuditReport:
 
     @property
     def unseen(self) -> bool:
-        """The whole model computes otherwise while every change found is bit-equal (or none was found):
-        a change the detector cannot see, never a pass.
+        """The whole model computes otherwise while every change found is bit-equal (or none was found), and
+        putting every change found back does not show that they account for it: never a pass.
 
         A change whose forward is bit-equal and whose backward is not (within the rounding error: another
-        kernel's order of a sum) explains gradients that are not bit-identical, never logits or a loss.
+        kernel's order of a sum) explains gradients that are not bit-identical, never logits or a loss. An exact
+        change that adds a node to autograd's graph (a norm's input cloned) makes autograd sum the same gradients
+        in another order: put back, the whole model is bit-identical (:attr:`accounted`), so nothing unseen.
         """
+        return self._unexplained and self.accounted is not True
+
+    @property
+    def _unexplained(self) -> bool:
         seen = [r for r in self.rows if r.result != "not in this model"]
         if self.model_problem is not None or self.model_identical:
             return False
@@ -169,10 +179,24 @@ class AuditReport:
         if apart:
             parts.append(f"on {self.reading}'s reading only (not exact arithmetic; a device may differ): "
                          + "; ".join(apart))
+        worst_abs = max((c.max_abs for c in self.model_checks), default=0.0)
+        moved = ", ".join(c.what.split(" ")[0] for c in self.model_checks if c.max_abs != 0)
         if self.unseen and not failed:
-            worst = max((c.max_abs for c in self.model_checks), default=0.0)
-            parts.append(f"the whole model's numbers are not the original's (max abs {worst:.2g}, within its rounding "
-                         "error) and no change found explains it: a change the detector cannot see")
+            head_note = (f"the whole model's {moved} are not the original's (max abs {worst_abs:.2g}, within its "
+                         "rounding error)")
+            if not [r for r in self.rows if r.result != "not in this model"]:
+                parts.append(f"{head_note} and no change was found: a change the detector cannot see")
+            elif self.accounted is False:
+                parts.append(f"{head_note}, and still are with every change found put back: a change the detector "
+                             "cannot see")
+            else:
+                parts.append(f"{head_note}; the changes found are bit-equal on their own, and not all of them can be "
+                             "put back to show whether they account for it")
+        elif self.accounted and self._unexplained and not failed:
+            parts.append(f"the whole model's {moved} are not bit-identical to the original's (max abs "
+                         f"{worst_abs:.2g}, within its rounding error) and are with the changes found put back: they "
+                         "account for it (bit-equal on their own, they change how the model adds up the same terms: "
+                         "autograd summing the gradients of a tensor used twice in another order, for one)")
         if self.model_problem:
             parts.append(f"whole model unchecked: {self.model_problem}")
         worst = self.worst_difference
@@ -207,6 +231,7 @@ class AuditReport:
             "worst_ratio": _finite(self.worst_ratio), "rows": [_clean(asdict(r)) for r in self.rows],
             "model_checks": [_clean(asdict(c)) for c in self.model_checks], "model_problem": self.model_problem,
             "seconds": self.seconds, "reading": self.reading, "reading_only": self.reading_only,
+            "accounted": self.accounted,
         }
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from engine.auditing.adapters import Adapter, resolve
 from engine.auditing.backward import judge_backward
 from engine.auditing.changes import find_changes, identities
+from engine.auditing.instance_undo import found_changes_account, locate_instance_changes, undoers_of
 from engine.auditing.judging import judge_change, judge_registry
 from engine.auditing.process_state import ProcessState
 from engine.auditing.put_back import locate_by_putting_back, undoers
@@ -190,7 +191,12 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
 
     locate_shared_gradient(report.rows, checks, mine, rerun, report.model_ratios.get("grads"))
     locate_written_inputs(report.rows, checks, {c.where: c for c in process}, rerun, report.model_ratios)
-    locate_by_putting_back(report.rows, checks, undoers(process, model, patched), rerun, report.model_ratios)
+    process_undo = undoers(process, model, patched)
+    locate_by_putting_back(report.rows, checks, process_undo, rerun, report.model_ratios)
+    found_undo = undoers_of(report.rows, model, patched)
+    locate_instance_changes(report.rows, checks, found_undo, rerun, report.model_ratios)
+    if report.unseen:  # every change found is bit-equal and the whole model is not: do they account for it?
+        report.accounted = found_changes_account(report.rows, found_undo, process_undo, rerun)
 
 
 def _sampled(change: Any, named: dict[str, nn.Module]) -> bool:
