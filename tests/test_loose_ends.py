@@ -112,6 +112,13 @@ class _Unknown(_Guarded):
         return x
 
 
+class _Training(_Guarded):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:  # flipped by model.train() after planning: never read
+            x = helper(x)
+        return x
+
+
 class _TwoUses(_Guarded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use:
@@ -128,6 +135,7 @@ def test_never_calls_reads_only_what_the_module_holds() -> None:
     assert never_calls(_Else(True, flag=True), "helper") is None
     assert never_calls(_Unknown(False), "helper") is None
     assert never_calls(_TwoUses(False), "helper") is None
+    assert never_calls(_Training(True).eval(), "helper") is None
     assert never_calls(_Guarded(False), "other_function") is None
 
 
@@ -152,7 +160,8 @@ LONG = "Q" * 100_000
 @pytest.mark.parametrize("case", ["model type", "100,000 model types", "target", "function"])
 def test_target_not_found_and_model_type_mismatch_cap_what_they_echo(qwen3: nn.Module, case: str) -> None:
     data, error, start = {
-        "model type": (_norm_patchset(model_types=[LONG]), engine.ModelTypeMismatch, "patchset 'x' is for model_type QQ"),
+        "model type": (_norm_patchset(model_types=[LONG]), engine.ModelTypeMismatch,
+                       "patchset 'x' is for model_type QQ"),
         "100,000 model types": (_norm_patchset(model_types=[f"t{i}" for i in range(100_000)]), engine.ModelTypeMismatch,
                                 "patchset 'x' is for model_type t0, t1, t2"),
         "target": (_norm_patchset(patches=[{"target": LONG, "op": "rms_norm", "scale": "weight"}]),

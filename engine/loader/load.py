@@ -69,9 +69,10 @@ _SCALARS = (str, bool, int, float, type(None))
 def plain_copy(value: Any, path: Path_ = ()) -> Any:
     """A copy of an in-memory patchset made of what YAML can write: mappings, lists, strings, numbers, booleans, null.
 
-    Tuples become lists; a validated schema model (a patch) is copied as it is. Anything else (a generator, a set, an object), and nesting deeper than a file may nest
-    (:data:`MAX_DEPTH`, which also ends a mapping that holds itself), is a :class:`PatchsetError` naming the key
-    path and the fix; nothing is read from the value but its type.
+    Tuples become lists; a validated schema model (a patch) is copied as it is. Anything else (a generator, a
+    set, an object), and nesting deeper than a file may nest (:data:`MAX_DEPTH`, which also ends a mapping that
+    holds itself), is a :class:`PatchsetError` naming the key path and the fix; nothing is read from the value
+    but its type.
     """
     if isinstance(value, _SCALARS):
         return value

@@ -6,9 +6,10 @@ ALiBi config (falcon-rw) rope is never called; the bundled rope patch was instal
 use of the name sits under a condition that reads, from the module itself, a value that rules it out:
 
 * the condition is evaluated, never guessed: only attribute chains of the forward's ``self`` (its
-  config included), constants, ``not``/``and``/``or``, and comparisons (``is``, ``==``, ``in``, ...) of
-  plain values (``None``, booleans, numbers, strings); anything else (a local, a call, a tensor) is
-  unknown, and unknown means "may call it";
+  config included; not ``training`` or ``gradient_checkpointing``, which change after planning),
+  constants, ``not``/``and``/``or``, and comparisons (``is``, ``==``, ``in``, ...) of plain values
+  (``None``, booleans, numbers, strings); anything else (a local, a call, a tensor) is unknown, and
+  unknown means "may call it";
 * ``if``/``elif``/``else`` and ``x if c else y`` guards count; an earlier ``return`` does not (it is not
   read), so a forward can only be judged a caller too often, never too rarely: leaving a module out of a
   function patch can only patch less, never change its numbers;
@@ -29,6 +30,8 @@ __all__ = ["calling_function", "calls_name", "never_calls"]
 
 _MISSING = object()  # a value the evaluation cannot know
 _PLAIN = (bool, int, float, str, type(None))
+#: Attributes a model flips after planning (``model.train()``, ``gradient_checkpointing_enable()``): unknown.
+_RUNTIME = frozenset({"training", "gradient_checkpointing"})
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge}
 
@@ -113,7 +116,7 @@ def _value(node: ast.AST, me: str, module: Any) -> Any:
         return module if node.id == me else _MISSING
     if isinstance(node, ast.Attribute):
         holder = _value(node.value, me, module)
-        if holder is _MISSING or isinstance(holder, _PLAIN):
+        if holder is _MISSING or isinstance(holder, _PLAIN) or node.attr in _RUNTIME:
             return _MISSING
         try:
             return getattr(holder, node.attr)
