@@ -1,10 +1,9 @@
 """``patch-engine bench`` (and ``benchmarks/run.py``): every performance claim, measured side by side.
 
-Method: patched and reference run in one process, *interleaved* (reference, patched,
-reference, ...), after warm-up (which includes any torch.compile), and each number is the
-median of the repeats, so that load from other processes hits both alike. Ratios are
-reference time / patched time. Results go to ``<out>/<device>.json`` and a chart to
-``<out>/<device>.png``.
+Method: patched and reference run in one process, *interleaved* (reference, patched, reference, ...),
+after warm-up (which includes any torch.compile), and each number is the median of the repeats, so that
+load from other processes hits both alike. Ratios are reference time / patched time. Results go to
+``<out>/<device>.json`` and a chart to ``<out>/<device>.png``.
 
 Sections:
 * ``ops``: transformers' eager Qwen3RMSNorm (8192 x 4096) and the SwiGLU product
@@ -13,10 +12,10 @@ Sections:
 * ``overhead``: a patched forward on a tiny tensor vs calling the provider's kernel directly.
 * ``plan``: ``engine.apply`` (load + plan + apply) and ``revert`` on a 64-layer model with
   Qwen3-8B dimensions built on the ``meta`` device (no memory, no weights).
-* ``train``: one forward+backward of a small Qwen3 (hidden 1024, 4 layers, vocab 151936,
-  tied embeddings as Qwen3-0.6B, seq 1024, fp32), unpatched vs ``qwen3_flce``: time, and peak memory measured in a fresh
-  child process per variant as the rise of the peak resident set (VmHWM, reset through
-  /proc/self/clear_refs after the model is built) over the resident set before the step.
+* ``train``: one forward+backward of a small Qwen3 (hidden 1024, 4 layers, vocab 151936, tied embeddings as
+  Qwen3-0.6B, seq 1024, fp32), unpatched vs ``qwen3_flce``: time, and peak memory measured in a fresh child
+  process per variant as the rise of the peak resident set (VmHWM, reset through /proc/self/clear_refs after
+  the model is built) over the resident set before the step.
 
 ``--checkpoint smollm2|gemma3``, ``--gguf FILE`` or ``--model PATH`` instead: a real checkpoint's
 training step and forward, unpatched vs patched vs patched + fused head (engine/commands/bench_checkpoint.py).
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from engine.commands.bench_chart import chart
 from engine.commands.results_sections import write_unmarked
 
 __all__ = ["main", "run"]
@@ -48,6 +48,7 @@ TRAIN_CONFIG = {
     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 2048,
     "tie_word_embeddings": True,  # as Qwen3-0.6B, the released Qwen3 with hidden 1024
 }
+SECTIONS = ("ops", "overhead", "plan", "train")  # what --only takes, in the order they run
 QWEN3_8B_64L = {
     "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 64, "num_attention_heads": 32,
     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -187,12 +188,9 @@ def bench_overhead(repeats: int) -> dict[str, Any]:
             "patched_module_call": loop(lambda: module(x)),
         }, repeats * 20, warmup=3)
     us = {k: v / n * 1e6 for k, v in t.items()}
-    return {
-        "direct_us": us["direct"], "patched_forward_us": us["patched_forward"],
-        "module_call_us": us["patched_module_call"],
-        "engine_overhead_us": us["patched_forward"] - us["direct"],
-        "note": "module_call adds nn.Module.__call__, which the unpatched module pays too",
-    }
+    return {"direct_us": us["direct"], "patched_forward_us": us["patched_forward"],
+            "module_call_us": us["patched_module_call"], "engine_overhead_us": us["patched_forward"] - us["direct"],
+            "note": "module_call adds nn.Module.__call__, which the unpatched module pays too"}
 
 
 def bench_plan(repeats: int) -> dict[str, Any]:
@@ -281,40 +279,10 @@ def bench_train(repeats: int) -> dict[str, Any]:
         "config": TRAIN_CONFIG, "seq": 1024, "batch": 1, "dtype": "float32", "patchset": "qwen3_flce",
         "unpatched_s": t["unpatched"], "patched_s": t["patched"], "speedup": t["unpatched"] / t["patched"],
         "loss_unpatched": losses["unpatched"], "loss_patched": losses["patched"],
-        "loss_abs_diff": abs(losses["unpatched"] - losses["patched"]),
-        "memory": mem,
+        "loss_abs_diff": abs(losses["unpatched"] - losses["patched"]), "memory": mem,
         "step_peak_rise_reduction": 1 - rise_p / rise_u,
         "peak_rss_reduction": 1 - mem["patched"]["peak_MiB"] / mem["unpatched"]["peak_MiB"],
     }
-
-
-def _chart(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    rows = results.get("ops", [])
-    if rows:
-        labels = [f"{r['op']}\n{r['dtype']}" for r in rows]
-        bars = axes[0].bar(labels, [r["speedup"] for r in rows], color="#4c72b0")
-        axes[0].axhline(1.0, color="grey", lw=0.8)
-        axes[0].bar_label(bars, fmt="%.1fx")
-        axes[0].set_title("op speed-up vs transformers eager (CPU, forward)")
-        axes[0].set_ylabel("eager time / patched time")
-    train = results.get("train")
-    if train:
-        mem = train["memory"]
-        names = ["unpatched", "qwen3_flce"]
-        peaks = [mem["unpatched"]["step_peak_rise_MiB"], mem["patched"]["step_peak_rise_MiB"]]
-        bars = axes[1].bar(names, peaks, color=["#dd8452", "#55a868"])
-        axes[1].bar_label(bars, fmt="%.0f MiB")
-        axes[1].set_title(f"training step peak memory rise\n({train['unpatched_s']:.2f} s vs {train['patched_s']:.2f} s)")
-        axes[1].set_ylabel("MiB above the resting model")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run(sections: Sequence[str], out: Path, *, repeats: int = 7, quick: bool = False) -> dict[str, Any]:
@@ -324,9 +292,7 @@ def run(sections: Sequence[str], out: Path, *, repeats: int = 7, quick: bool = F
         "method": "interleaved patched/reference in one process, median of repeats, after warm-up",
         "repeats": repeats,
     }
-    import transformers
-
-    results["machine"]["transformers"] = transformers.__version__
+    results["machine"]["transformers"] = __import__("transformers").__version__
     if "ops" in sections:
         results["copy_GBps"] = _copy_bandwidth(repeats) / 1e9
         results["ops"] = bench_ops(repeats, quick)
@@ -339,7 +305,7 @@ def run(sections: Sequence[str], out: Path, *, repeats: int = 7, quick: bool = F
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu.json").write_text(json.dumps(results, indent=2) + "\n")
     write_unmarked(out / "cpu.md", markdown(results))  # the FLCE and MoE scripts' sections stay
-    _chart(results, out / "cpu.png")
+    chart(results, out / "cpu.png")
     return results
 
 
@@ -394,9 +360,10 @@ def _print(results: dict[str, Any]) -> None:
             print(f"{key}: {json.dumps(results[key], indent=1)}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``patch-engine bench``'s options (tests/test_docs.py parses the commands the docs show with it)."""
     parser = argparse.ArgumentParser(prog="patch-engine bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="ops,overhead,plan,train", help="comma-separated sections")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections: {', '.join(SECTIONS)}")
     parser.add_argument("--out", default="benchmarks/results", help="directory for cpu.json and cpu.png")
     parser.add_argument("--repeats", type=int, help="timed runs per measurement (default 7; a checkpoint: 5)")
     parser.add_argument("--quick", action="store_true", help="smaller op shapes (a smoke run)")
@@ -418,7 +385,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "on a CPU shared with other jobs)")
     real.add_argument("--compiled-from", type=int, metavar="ROWS",
                       help="one more variant: every call of at least ROWS rows compiled, whatever the rule says")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:  # a usage error is exit 2 with nothing written, as the other commands (cli.main returns this)
+        args = parser.parse_args(argv)
+        if unknown := [x for x in args.only.split(",") if x not in SECTIONS]:
+            parser.error(f"--only: unknown section {', '.join(map(repr, unknown))}; "
+                         f"the sections: {', '.join(SECTIONS)}")
+    except SystemExit as exc:
+        return int(exc.code or 0)
     if args.memory_child:
         _memory_child(args.memory_child)
         return 0

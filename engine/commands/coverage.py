@@ -314,7 +314,17 @@ def render_markdown(rows: list[CoverageRow]) -> str:
         "`patch-engine coverage --measure` (its data: benchmarks/results/coverage_measured.json).",
         "",
     ]
-    if generative:
+    if covered and not ran:  # --no-verify: say what was not checked, not "0 verified"
+        n, bundled, version = len(generative), sum(1 for r in generative if r.patchsets), transformers.__version__
+        unchecked = (f"with a bundled patchset are **not verified by this run** (`--no-verify`; `patch-engine "
+                     "coverage` without it verifies them)")
+        lines.append(
+            f"- **{len(by_measure)}** of the {n} causal-LM and image-text-to-text types of transformers {version} "
+            f"are patched and verified: {len(by_measure)} by declarations the scaffold measured on the type's tiny "
+            f"model (`--measure`'s data); the {bundled} {unchecked}." if by_measure else
+            f"- The {bundled} of the {n} causal-LM and image-text-to-text types of transformers {version} {unchecked}."
+        )
+    elif generative:
         n, done = len(generative), len(by_bundle) + len(by_measure)
         lines.append(
             f"- **{done}** of the {n} causal-LM and image-text-to-text types of transformers "
@@ -324,11 +334,12 @@ def render_markdown(rows: list[CoverageRow]) -> str:
         )
     lines += [
         f"- **{len(covered)}** of {len(rows)} model types have a bundled patchset; "
-        + (f"**{len(passing)}** of the {len(ran)} verified pass `patch-engine verify`." if ran else "verify not run."),
+        + (f"**{len(passing)}** of the {len(ran)} verified pass `patch-engine verify`." if ran
+           else "`patch-engine verify` not run on them (verifies: `-`)."),
         f"- Liger-Kernel 0.8.5 patches {len(LIGER_MODEL_TYPES)} model types; {len(liger_covered)} of them have a "
         f"bundled patchset here: {', '.join(liger_covered) or '-'}.",
         f"- Share of parameters under patched modules (covered types): median {_percent(median)}; "
-        f"{sum(1 for x in shares if x >= 0.5)} of {len(shares)} patch more than half of the model (their MLPs); "
+        f"{sum(1 for x in shares if x > 0.5)} of {len(shares)} patch more than half of the model (their MLPs); "
         "the others leave more unpatched: MLPs no op computes (xIELU, relu², parallel experts), some "
         "routed experts, or large embeddings and vision towers (composite and small models).",
         "",

@@ -98,6 +98,7 @@ class VerifyReport:
         """
         rows: dict[str, dict[str, Any]] = {}
         ran: dict[str, dict[str, str]] = {}
+        wrong = _declared_wrong(self.checks)
         for c in self.checks:
             key = c.path if c.path != MODEL else f"{MODEL} {c.what.split(' ')[0]}"
             row = rows.setdefault(key, {"module": key, "class": c.cls, "op": c.op, "kernel": c.kernel,
@@ -117,8 +118,9 @@ class VerifyReport:
             row["passed"] = row["passed"] and c.passed
             if not c.counted and c.dtype not in row["not_counted"]:
                 row["not_counted"].append(c.dtype)
-            if c.note and c.note not in row["notes"] and (not c.passed or not c.counted or c.path == MODEL):
-                row["notes"].append(c.note)
+            note = CONSEQUENCE if c.what == "kernel" and not c.passed and c.path in wrong else c.note
+            if note and note not in row["notes"] and (not c.passed or not c.counted or c.path == MODEL):
+                row["notes"].append(note)
         for key, kernels in ran.items():
             row = rows[key]
             planned = row["kernel"]
@@ -195,11 +197,30 @@ class VerifyReport:
         return f"{self.headline()}\n{self.table()}\n{self.legend()}"
 
 
+#: A failing kernel check's note where its module's declaration failed: the kernel computes the
+#: declaration, so its difference (a dtype the declaration returns included) is the same mistake.
+CONSEQUENCE = "its kernel computes this declaration, so it differs too"
+
+
+def _declared_wrong(checks: list[Check]) -> set[str]:
+    """The paths whose declaration check failed: the cause found first, what their kernels show follows from it."""
+    return {c.path for c in checks if c.what == "declaration" and not c.passed}
+
+
 def failure_message(report: VerifyReport) -> str:
-    """One line per failing (class, check, note), naming the modules, dtypes and errors."""
+    """One line per failing (class, check, note), naming the modules, dtypes and errors.
+
+    Where a declaration failed, that is the cause: its kernels' failures and the whole model's
+    are one closing line of what follows from it, not further mistakes of their own.
+    """
+    wrong = _declared_wrong(report.checks)
     groups: dict[tuple[str, str, str, str], list[Check]] = {}
+    follows: list[Check] = []
     for c in report.failures:
-        groups.setdefault((c.cls, c.op, c.what, c.note), []).append(c)
+        if wrong and (c.path in wrong and c.what == "kernel" or c.path == MODEL):
+            follows.append(c)
+        else:
+            groups.setdefault((c.cls, c.op, c.what, c.note), []).append(c)
     lines = ["patched model does not compute what the original computed:"]
     for (cls, op, what, note), checks in groups.items():
         paths = list(dict.fromkeys(c.path for c in checks))
@@ -215,4 +236,12 @@ def failure_message(report: VerifyReport) -> str:
         if err_text:
             line += f" (max abs err {err_text})"
         lines.append(line + (f": {note}" if note else ""))
+    if follows:
+        parts = ["their kernels"] if any(c.path != MODEL for c in follows) else []
+        whole = [c for c in follows if c.path == MODEL]
+        if whole:
+            checked = ", ".join(dict.fromkeys(c.what for c in whole))
+            parts.append(f"the whole model ({checked}; max abs err {_num(max(c.max_abs for c in whole))})")
+        verb = "differ" if len(parts) > 1 or not whole else "differs"
+        lines.append(f"  as a result of the declaration failure above, {' and '.join(parts)} {verb} too")
     return "\n".join(lines)
