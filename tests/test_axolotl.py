@@ -217,7 +217,7 @@ def test_the_plugin_keeps_axolotl_from_auto_enabling_its_lora_mlp_kernel(tiny, t
 @pytest.mark.parametrize(("ours", "message"), [
     # the plugin's keys only (before: axolotl's ~400, the schema the plugin's model is merged into)
     ({"patchset_verfy": True}, (r"unknown key 'patchset_verfy' for engine\.integrations\.axolotl\.PatchsetPlugin \(its "
-                                r"keys: patchset, patchset_fused_cross_entropy, patchset_unverified_release, "
+                                r"keys: patchset, patchset_fused_cross_entropy, patchset_unverified, patchset_unverified_release, "
                                 r"patchset_verify\); did you mean 'patchset_verify'\?")),
     ({"patchset": "qwen3_typo"}, r"no patchset 'qwen3_typo'"),
     ({"patchset": "qwen3", "patchset_verify": "often"}, r"patchset_verify"),

@@ -8,7 +8,8 @@
                                        # (the bundled file of the model's type, else measured and verified)
     patchset_verify: true              # or "sample"; default false
     patchset_fused_cross_entropy: true # or {kernel: ..., chunk_size: ...}; absent: the patchset's key
-    patchset_unverified_release: verify  # or refuse, trust: a transformers outside the patchset's verified range
+    patchset_unverified: verify        # or refuse, trust: content not known verified on this transformers
+                                       # (patchset_unverified_release: its old name)
 
 and ``axolotl train config.yaml`` as usual. Why a plugin, the way axolotl's own Liger plugin
 is one: axolotl loads every class listed under ``plugins:`` before it validates the config,
@@ -44,6 +45,7 @@ from engine.api import apply, plan
 from engine.errors import PatchError, TrainerConflict
 from engine.integrations.announce import announce
 from engine.integrations.stack_import import import_stack_module
+from engine.integrations.unverified import unverified_setting
 from engine.planning.report import Report
 from engine.runtime.wrappers import unwrap
 from engine.schema import FusedCrossEntropy
@@ -67,8 +69,10 @@ class PatchsetArgs(BaseModel):
     patchset: str | None = None
     patchset_verify: bool | Literal["sample"] = False
     patchset_fused_cross_entropy: bool | FusedCrossEntropy | None = None
-    #: What a transformers release outside the patchset's verified range gets (engine.apply's
-    #: ``unverified_release``); absent: ``$PATCH_ENGINE_UNVERIFIED_RELEASE``, else ``verify``.
+    #: What content not known verified on the installed transformers gets (engine.apply's
+    #: ``unverified``); absent: ``$PATCH_ENGINE_UNVERIFIED``, else ``verify``.
+    patchset_unverified: Literal["verify", "refuse", "trust"] | None = None
+    #: ``patchset_unverified``'s old name.
     patchset_unverified_release: Literal["verify", "refuse", "trust"] | None = None
 
     @model_validator(mode="before")
@@ -136,7 +140,8 @@ class PatchsetPlugin(BasePlugin):
         """Patch ``model`` for training; a refusal (or a failed verification) stops axolotl before step 1."""
         patchset = _setting(cfg, "patchset")  # None / "auto": zero configuration (engine.zeroconfig)
         fused = _setting(cfg, "patchset_fused_cross_entropy")
-        release = _setting(cfg, "patchset_unverified_release")
+        release = unverified_setting(_setting(cfg, "patchset_unverified"), _setting(cfg, "patchset_unverified_release"),
+                                     where="axolotl config patchset_unverified")
         _refuse_fused_head_under_trl(cfg, model, patchset, fused, release)
         self.report = apply(model, patchset, mode="training", verify=_setting(cfg, "patchset_verify") or False,
                             fused_cross_entropy=fused, unverified_release=release)

@@ -11,8 +11,8 @@ This module registers a plugin under the name ``patch_engine``, so the user's YA
       patchset: qwen3          # optional: a bundled name or a path; absent or `auto`: zero configuration
                                # (the bundled file of the model's type, else measured and verified)
       verify: true             # optional (default false): check each patched module once, before step 1
-      unverified_release: verify  # optional: verify (default), refuse or trust a transformers outside the
-                                  # patchset's verified range (engine.apply's unverified_release)
+      unverified: verify       # optional: verify (default), refuse or trust content not known verified on
+                               # this transformers (engine.apply's unverified; unverified_release: its old name)
 
 v1 never imports user code, so the plugin must be registered before LlamaFactory reads the
 YAML: ``python -m engine.integrations.llamafactory sft cfg.yaml`` does that, then runs
@@ -56,7 +56,7 @@ __all__ = ["PLUGIN_NAME", "Settings", "apply_patchset", "configure", "main", "re
 #: The name users write in ``kernel_config: {name: ...}``.
 PLUGIN_NAME = "patch_engine"
 #: Keys of ``kernel_config`` this plugin reads (``name`` and ``include_kernels`` are LlamaFactory's).
-OUR_KEYS = ("patchset", "verify", "fused_cross_entropy", "unverified_release")
+OUR_KEYS = ("patchset", "verify", "fused_cross_entropy", "unverified", "unverified_release")
 #: LlamaFactory v1's training verbs (``launcher._DIST_TRAIN_COMMANDS``): the model is patched for training.
 TRAIN_VERBS = ("train", "sft", "dpo", "rm")
 #: Verbs that build a model (through ``ModelEngine``); the others go straight to LlamaFactory's launcher.
@@ -117,12 +117,10 @@ def configure(kernel_config: Mapping[str, Any] | None, *, training: bool) -> Set
             "outputs.logits (BaseTrainer.compute_log_probs), which the fused head does not return in training "
             "(LlamaFactory turns Liger's fused cross entropy off for the same reason); remove the key"
         )
-    from engine.foundation.release_policy import resolve_policy
+    from engine.integrations.unverified import unverified_setting
     from engine.loader import load_patchset
 
-    release = kernel_config.get("unverified_release")
-    if release is not None:
-        resolve_policy(release, setting=f"{where}: unverified_release")
+    release = unverified_setting(kernel_config.get("unverified"), kernel_config.get("unverified_release"), where=where)
     name = kernel_config.get("patchset")
     from engine.zeroconfig import is_zero_config
 

@@ -17,8 +17,9 @@ argument parser refuses flags it does not know, so our settings come from the en
 * ``PATCH_ENGINE_VERIFY``: ``1``/``true`` (verify every patched module against its original once,
   before step 1), ``sample``, or ``0``/``false`` (the default).
 * ``PATCH_ENGINE_FUSED_CROSS_ENTROPY``: ``1``/``true`` or ``0``/``false`` (unset: the patchset's key).
-* ``PATCH_ENGINE_UNVERIFIED_RELEASE``: ``verify`` (the default), ``refuse`` or ``trust``: what a
-  transformers release outside the patchset's verified range gets (the engine's own variable).
+* ``PATCH_ENGINE_UNVERIFIED``: ``verify`` (the default), ``refuse`` or ``trust``: what content not
+  known verified on the installed transformers gets (the engine's own variable;
+  ``PATCH_ENGINE_UNVERIFIED_RELEASE``, its old name, still works).
 
 The plugin file (``engine/integrations/ms_swift_plugin/patch_engine_swift.py``) registers :class:`SwiftPatchsetCallback`
 under ``patch_engine``; ms-swift builds it with ``(args, trainer)`` as it builds its trainer, and
@@ -71,11 +72,12 @@ class Settings:
         verify: bool | str = "sample" if verify_text == "sample" else _flag("PATCH_ENGINE_VERIFY", verify_text)
         fused_text = env.get("PATCH_ENGINE_FUSED_CROSS_ENTROPY")
         fused = None if fused_text is None else _flag("PATCH_ENGINE_FUSED_CROSS_ENTROPY", fused_text.strip().lower())
-        release_text = env.get("PATCH_ENGINE_UNVERIFIED_RELEASE", "").strip() or None
-        if release_text is not None:
-            from engine.foundation.release_policy import resolve_policy
+        from engine.foundation.release_policy import ENV_VARS, resolve_policy
 
-            resolve_policy(release_text, setting="PATCH_ENGINE_UNVERIFIED_RELEASE")  # a typo stops here too
+        given = [name for name in ENV_VARS if env.get(name, "").strip()]  # the engine's order: the new name first
+        release_text = env[given[0]].strip() if given else None
+        if given:
+            resolve_policy(release_text, setting=given[0])  # a typo stops here too
         from engine.zeroconfig import is_zero_config
 
         if not is_zero_config(patchset):

@@ -63,7 +63,7 @@ def patch_for_training(model: nn.Module, patchset: Patchset | str | dict[str, An
     No patchset: zero configuration (:mod:`engine.zeroconfig`), as :func:`engine.apply(model) <engine.apply>`.
 
     Keyword arguments go to :func:`engine.apply` (``device``, ``verify``, ``fused_cross_entropy``,
-    ``unverified_release``).
+    ``unverified``).
     """
     apply(model, patchset, mode="training", **apply_kwargs)
     return model
@@ -84,9 +84,9 @@ class PatchsetCallback(TrainerCallback):
         fused_cross_entropy: fuse the causal-LM head + loss (``True``, ``False``, or
             ``{kernel, chunk_size}``; ``None`` keeps the patchset's key), as Liger's
             ``fused_linear_cross_entropy=True``. See :mod:`engine.planning.fused_head`.
-        unverified_release: ``"verify"`` (default), ``"refuse"`` or ``"trust"``: what a
-            transformers release outside the patchset's verified range gets (see
-            :func:`engine.apply`); unset, ``$PATCH_ENGINE_UNVERIFIED_RELEASE`` decides.
+        unverified: ``"verify"`` (default), ``"refuse"`` or ``"trust"``: what content not known
+            verified on the installed transformers gets (see :func:`engine.apply`); unset,
+            ``$PATCH_ENGINE_UNVERIFIED`` decides. ``unverified_release`` is its old name.
 
     Attributes:
         report: the :class:`Report` of the last apply (``None`` before).
@@ -94,13 +94,12 @@ class PatchsetCallback(TrainerCallback):
 
     def __init__(
         self, patchset: Patchset | str | dict[str, Any] | None = None, *, revert_on_end: bool = False, verify: bool = False,
-        fused_cross_entropy: Any = None, unverified_release: str | None = None,
+        fused_cross_entropy: Any = None, unverified: str | None = None, unverified_release: str | None = None,
     ):
-        from engine.foundation.release_policy import resolve_policy
+        from engine.integrations.unverified import unverified_setting
 
-        if unverified_release is not None:  # a bad value fails when the callback is made, before training
-            resolve_policy(unverified_release, setting="PatchsetCallback(unverified_release=...)")
-        self.unverified_release = unverified_release
+        # a bad value fails when the callback is made, before training
+        self.unverified_release = unverified_setting(unverified, unverified_release, where="PatchsetCallback")
         self.patchset = patchset
         self.revert_on_end = revert_on_end
         self.verify = verify

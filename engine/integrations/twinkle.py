@@ -90,22 +90,21 @@ class _PatchsetPatchMixin:
         verify: compare every patched module with its original forward once, when applying.
         mode: ``"training"`` (default: kernels with a backward) or ``"inference"``.
         fused_cross_entropy: only ``None``/``False`` (see the module docstring).
-        unverified_release: ``"verify"`` (default), ``"refuse"`` or ``"trust"``: what a transformers
-            release outside the patchset's verified range gets (:func:`engine.apply`); unset,
-            ``$PATCH_ENGINE_UNVERIFIED_RELEASE`` decides.
+        unverified: ``"verify"`` (default), ``"refuse"`` or ``"trust"``: what content not known verified
+            on the installed transformers gets (:func:`engine.apply`); unset, ``$PATCH_ENGINE_UNVERIFIED``
+            decides. ``unverified_release`` is its old name.
 
     Attributes:
         report: the :class:`engine.planning.report.Report` of the last apply (``None`` before).
     """
 
     def __init__(self, patchset: Any = None, *, verify: bool = False, mode: str = "training",
-                 fused_cross_entropy: Any = None, unverified_release: str | None = None) -> None:
-        from engine.foundation.release_policy import resolve_policy
+                 fused_cross_entropy: Any = None, unverified: str | None = None,
+                 unverified_release: str | None = None) -> None:
+        from engine.integrations.unverified import unverified_setting
 
         self.patchset = _load(patchset, fused_cross_entropy)
-        if unverified_release is not None:
-            resolve_policy(unverified_release, setting="PatchsetPatch(unverified_release=...)")
-        self.unverified_release = unverified_release
+        self.unverified_release = unverified_setting(unverified, unverified_release, where="PatchsetPatch")
         self.verify = verify
         self.mode = mode
         self.report: Any = None
@@ -120,10 +119,13 @@ class _PatchsetPatchMixin:
         patchset = _load(kwargs.pop("patchset", None), kwargs.pop("fused_cross_entropy", None)) or self.patchset
         verify = kwargs.pop("verify", self.verify)
         mode = kwargs.pop("mode", self.mode)
-        release = kwargs.pop("unverified_release", self.unverified_release)
+        from engine.integrations.unverified import unverified_setting
+
+        release = unverified_setting(kwargs.pop("unverified", None), kwargs.pop("unverified_release", None),
+                                     where="PatchsetPatch") or self.unverified_release
         if kwargs or args:
             raise InvalidArgument(f"PatchsetPatch: unknown arguments {list(args)} {sorted(kwargs)}; "
-                                  "it takes patchset, verify, mode, fused_cross_entropy, unverified_release")
+                                  "it takes patchset, verify, mode, fused_cross_entropy, unverified")
         before = self.report
         self.report = apply(module, patchset, mode=mode, verify=verify,
                             fused_cross_entropy=False, unverified_release=release)
@@ -162,7 +164,8 @@ class _Installer:
 
 
 def kernel_mapping(patchset: Any = None, *, verify: bool = False, mode: str = "training",
-                   fused_cross_entropy: Any = None, unverified_release: str | None = None) -> dict[str, Any]:
+                   fused_cross_entropy: Any = None, unverified: str | None = None,
+                   unverified_release: str | None = None) -> dict[str, Any]:
     """A ``kernelize`` mapping with one entry that applies ``patchset`` (arguments as :class:`PatchsetPatch`).
 
     The entry's installer keeps the :class:`PatchsetPatch` it applies:
@@ -171,5 +174,5 @@ def kernel_mapping(patchset: Any = None, *, verify: bool = False, mode: str = "t
     KernelChoice = _twinkle("twinkle.kernel").KernelChoice
     _register_op()
     patch = __getattr__("PatchsetPatch")(patchset, verify=verify, mode=mode, fused_cross_entropy=fused_cross_entropy,
-                                         unverified_release=unverified_release)
+                                         unverified=unverified, unverified_release=unverified_release)
     return {PLUGIN_NAME: KernelChoice(op=PLUGIN_NAME, backends=(PLUGIN_NAME,), installer=_Installer(patch))}

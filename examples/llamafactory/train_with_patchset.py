@@ -15,9 +15,9 @@ Our keys (taken out before LlamaFactory parses the rest, which refuses keys it d
   patching at all, which is exactly ``llamafactory-cli train`` (the baseline).
 * ``patchset_verify`` (default ``false``): compare every patched module with its original
   forward once when applying, and refuse to train on a mismatch.
-* ``patchset_unverified_release`` (default: ``$PATCH_ENGINE_UNVERIFIED_RELEASE``, else ``verify``):
-  what a transformers release outside the patchset's verified range gets: ``verify`` it there
-  first (verdict cached), ``refuse`` it, or ``trust`` it (with a warning).
+* ``patchset_unverified`` (default: ``$PATCH_ENGINE_UNVERIFIED``, else ``verify``): what content not
+  known verified on the installed transformers gets: ``verify`` it there first (verdict cached),
+  ``refuse`` it, or ``trust`` it (with a warning). ``patchset_unverified_release`` is its old name.
 
 Usage::
 
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 #: This project's keys in a LlamaFactory YAML; everything else is LlamaFactory's.
-OUR_KEYS = ("patchset", "patchset_verify", "patchset_unverified_release")
+OUR_KEYS = ("patchset", "patchset_verify", "patchset_unverified", "patchset_unverified_release")
 
 
 def read_config(argv: Sequence[str]) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def patchset_callbacks(config: dict[str, Any]) -> list[Any]:
     """
     patchset = config.pop("patchset", None)
     verify = config.pop("patchset_verify", False)
-    release = config.pop("patchset_unverified_release", None)
+    unverified, release = config.pop("patchset_unverified", None), config.pop("patchset_unverified_release", None)
     if not isinstance(verify, bool):
         raise SystemExit(f"patchset_verify is true or false, not {verify!r}")
     if patchset is None:
@@ -71,7 +71,7 @@ def patchset_callbacks(config: dict[str, Any]) -> list[Any]:
     from engine.integrations.transformers import PatchsetCallback
     from engine.loader import load_patchset
 
-    return [PatchsetCallback(load_patchset(patchset), verify=verify, unverified_release=release)]
+    return [PatchsetCallback(load_patchset(patchset), verify=verify, unverified=unverified, unverified_release=release)]
 
 
 def main(argv: Sequence[str] | None = None, callbacks: Sequence[Any] = ()) -> list[Any]:
