@@ -165,7 +165,7 @@ def verify_checkpoint_files(
     the patchset, the text file, the dtype, the device.
     """
     from engine.loader import load_patchset
-    from engine.runtime.devices import as_device, require_present
+    from engine.runtime.devices import as_device, current_device, is_present
     from engine.runtime.release import check_release
 
     if text is not None and not Path(text).is_file():
@@ -177,7 +177,11 @@ def verify_checkpoint_files(
     ps = load_patchset(patchset)
     check_release(ps)  # before the checkpoint is loaded
     dev = as_device(device or "cpu")
-    require_present(dev)
+    if not is_present(dev):
+        from engine.commands.advice import device_missing
+
+        raise device_missing(dev.value, current_device().value, [patchset] if isinstance(patchset, str) else [],
+                             interpret=False)
     loaded, tokenizer = load_checkpoint(model, gguf=gguf, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     loaded.to(dev.value)
     words = Path(text).read_text(encoding="utf-8") if text is not None else default_text()

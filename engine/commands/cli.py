@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from engine.commands.quiet import others_quiet
 from engine.errors import DeviceNotAvailable, InvalidArgument, PatchError
 from engine.foundation.release_policy import ENV_VAR as RELEASE_ENV_VAR
 from engine.foundation.release_policy import POLICIES
@@ -23,6 +24,8 @@ from engine.foundation.release_policy import POLICIES
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: Every command's flag for other packages' warnings and log lines (hidden without it: engine.commands.quiet).
+VERBOSE = ("-v", "--verbose")
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -136,7 +139,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from engine.loader import load_patchset
-    from engine.runtime.devices import as_device, require_present
+    from engine.runtime.devices import as_device, current_device, is_present
     from engine.schema import Device
 
     from engine.zeroconfig import is_zero_config
@@ -160,8 +163,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if device is not Device.cuda:
             raise InvalidArgument(f"--interpret runs the CUDA plan's Triton kernels on this CPU; --device "
                                   f"{device.value} has none: use --device cuda (the default with --interpret)")
-    else:
-        require_present(device)  # before building anything: --device cuda on a CPU machine is a usage error
+    elif not is_present(device):  # before building anything: --device cuda on a CPU machine is a usage error
+        from engine.commands.advice import device_missing
+
+        typed = [args.patchset, *(["--model-type", args.model_type] if args.model_type else [])]
+        raise device_missing(device.value, current_device().value, typed)
     from engine.commands.verify_tiny import verify_every_type  # every model type the file lists (issue 38)
 
     return EXIT_OK if verify_every_type(ps, args, device) else EXIT_FAILED
@@ -358,6 +364,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark patched vs eager, write JSON + PNG (patch-engine bench --help)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of engine.commands.bench")
     p.set_defaults(func=_cmd_bench)
+    for command in sub.choices.values():
+        command.add_argument(*VERBOSE, action="store_true", help="also show other packages' warnings and log lines")
     return parser
 
 
@@ -406,14 +414,16 @@ def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["bench"]:  # its own parser (engine.commands.bench), options passed through untouched
-        return _cmd_bench(argparse.Namespace(bench_args=args_list[1:]))
+        rest = [a for a in args_list[1:] if a not in VERBOSE]
+        with others_quiet(len(rest) < len(args_list) - 1):
+            return _cmd_bench(argparse.Namespace(bench_args=rest))
     parser = _parser()
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     try:
-        with _release_policy(getattr(args, "unverified_release", None)):
+        with _release_policy(getattr(args, "unverified_release", None)), others_quiet(args.verbose):
             return int(args.func(args))
     except (InvalidArgument, DeviceNotAvailable) as exc:  # the command line asked for something that is not there
         _report_error(args, exc, "usage error")

@@ -65,9 +65,16 @@ def verify_zero_config(args: argparse.Namespace) -> int:
     import engine
 
     if args.model or args.gguf or args.interpret:
-        raise InvalidArgument("verify with no patchset runs on a tiny model of --model-type TYPE; for a checkpoint, "
-                              "name a patchset, or run engine.apply(model, verify=True) on it")
+        raise InvalidArgument(_no_patchset_for(args))
     model = _model(args, "verify")
+    from engine.runtime.devices import as_device, current_device, is_present
+
+    if args.device and not is_present(as_device(args.device)):  # before a tiny copy is measured on it
+        from engine.commands.advice import device_missing
+
+        target = [args.patchset] if args.patchset else []
+        raise device_missing(args.device, current_device().value, [*target, "--model-type", args.model_type],
+                             interpret=False)
     applied = engine.apply(model, args.patchset, device=args.device or "cpu")
     try:
         report = engine.verify(model, raise_on_failure=False) if applied.patched else None
@@ -85,3 +92,19 @@ def verify_zero_config(args: argparse.Namespace) -> int:
         print(applied.zero_config)
         print(report if report is not None else "nothing patched, nothing to verify")
     return EXIT_OK if passed else EXIT_FAILED
+
+
+def _no_patchset_for(args: argparse.Namespace) -> str:
+    """Why ``verify`` with no patchset refuses ``--model``/``--gguf``/``--interpret``, and the commands that do it."""
+    import shlex
+
+    if args.interpret:
+        return ("--interpret runs a patchset's CUDA plan on a tiny model: name the patchset "
+                "(patch-engine verify qwen3 --interpret); zero configuration measures on the model's own device")
+    if args.model:
+        folder = shlex.quote(args.model)
+        return (f"verify with no patchset runs on a tiny model of --model-type TYPE; for a checkpoint, measure its "
+                f"declarations first (patch-engine scaffold --model {folder} --out measured.yaml), then "
+                f"patch-engine verify measured.yaml --model {folder}")
+    return ("verify with no patchset runs on a tiny model of --model-type TYPE; for a .gguf checkpoint, name the "
+            f"bundled patchset of its model type (a Llama: patch-engine verify llama --gguf {shlex.quote(args.gguf)})")

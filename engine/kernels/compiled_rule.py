@@ -68,8 +68,9 @@ def only_where(dtype: torch.dtype, training: bool) -> Iterator[None]:
 
 def rule_text(op: str) -> str:
     """The rule for ``op`` in words, for the plan's reason (what ``auto`` picked, and where)."""
-    where = [f"{str(dtype).removeprefix('torch.')} {'training' if training else 'inference'} from {rows} rows"
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    where = [f"from {rows} rows in {short.get(dtype, dtype)} {'training' if training else 'inference'}"
              for (dtype, training), rows in rule().get(op, {}).items() if rows is not None]
-    return ("compiled (inductor) where measured faster: " + ", ".join(where) if where
-            else "compiled nowhere (not measured faster at any size)") + \
-        "; the torch reference eagerly elsewhere (engine/_data/compiled_rows.yaml)"
+    # short: it is the plan's `why` cell (the table fits 120 columns)
+    return (f"compiled {', '.join(where)}, else torch" if where else "torch: compiled measured faster nowhere") + \
+        ": engine/_data/compiled_rows.yaml"
