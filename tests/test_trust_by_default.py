@@ -12,6 +12,7 @@ a verdict cache of each test's own.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -78,12 +79,31 @@ def _entries(cache: Path) -> list[Path]:
     return sorted((cache / "release-verdicts").glob("*.json"))
 
 
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _apply(model: torch.nn.Module, patchset: Any, **kwargs: Any) -> tuple[Any, list[str]]:
-    """``engine.apply`` on the CPU; the report and what its UnverifiedContentWarnings said."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = engine.apply(model, patchset, device="cpu", **kwargs)
-    return report, [str(w.message) for w in caught if issubclass(w.category, engine.UnverifiedContentWarning)]
+    """``engine.apply`` on the CPU; the report and what it said: UnverifiedContentWarnings, then the info lines of a
+    passed self-verification (a pass is news, not a warning: asserted here, never both)."""
+    said, log = _Said(), logging.getLogger("engine.releases")
+    log.addHandler(said)
+    level, log.level = log.level, logging.INFO
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = engine.apply(model, patchset, device="cpu", **kwargs)
+    finally:
+        log.removeHandler(said)
+        log.setLevel(level)
+    warned = [str(w.message) for w in caught if issubclass(w.category, engine.UnverifiedContentWarning)]
+    assert not (warned and said.lines) and not any("verified there first: passed" in w for w in warned), warned
+    return report, warned + said.lines
 
 
 def test_a_users_flipped_file_inside_its_range_is_refused_by_default_with_file_and_line(
@@ -290,3 +310,22 @@ def test_a_dict_is_a_users_patchset_and_its_messages_name_no_bundled_command() -
         engine.apply(model, data, device="cpu")
     text = str(info.value)
     assert "built in memory" in text and "patch-engine verify qwen3" not in text and "engine.verify(" in text
+
+
+def test_the_refusals_advice_works_as_printed(tmp_path: Path) -> None:
+    """``unverified='refuse'`` says to apply once with ``unverified='verify'``; after that, refuse applies it."""
+    path = _file(tmp_path, _twin())
+    with pytest.raises(engine.UnverifiedContent) as info:
+        engine.apply(tiny_for("qwen3"), path, device="cpu", unverified="refuse")
+    assert "apply it once with unverified='verify'" in str(info.value)
+    assert "records no verdict for your model" in str(info.value)  # the CLI shows checks; it is not the way
+    _apply(tiny_for("qwen3"), path, unverified="verify")
+    model = tiny_for("qwen3")
+    report = engine.apply(model, path, device="cpu", unverified="refuse")
+    assert engine.is_patched(model) and report.release.cached and report.release.passed
+
+
+def test_trust_with_the_models_own_verification_does_not_say_it_was_not_verified(tmp_path: Path) -> None:
+    path = _file(tmp_path, _twin())
+    report, said = _apply(tiny_for("qwen3"), path, unverified="trust", verify=True)
+    assert report.verification.passed and not any("without verifying" in line for line in said), said

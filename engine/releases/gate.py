@@ -23,6 +23,7 @@ Every command a message suggests works as printed: a user's file is named by its
 from __future__ import annotations
 
 import datetime
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +46,10 @@ from engine.releases.self_verify import verify_on_this_release
 from engine.releases.verdict import ReleaseVerdict
 from engine.runtime.release import verify_command
 
-__all__ = ["ReleaseGate", "ReleaseVerdict", "release_verdict"]
+__all__ = ["LOG", "ReleaseGate", "ReleaseVerdict", "release_verdict"]
+
+#: Where a passed self-verification is said (an info line: it is news, not a warning).
+LOG = logging.getLogger("engine.releases")
 
 
 def _spec(plan: Plan) -> str:
@@ -161,6 +165,11 @@ class ReleaseGate:
         self.path = path
         if path.kind in ("bundled", "nothing"):
             return
+        if self.verified_after and path.kind in ("trust", "verify", "refuse"):
+            # apply(verify=...): the model's own verification follows and decides, whatever the policy; saying
+            # "patched without verifying it" here would be false a line before that verification runs
+            self.outcome = plan.release if plan.release is not None else (path if path.kind == "trust" else None)
+            return
         if path.kind == "trust":
             self.outcome = plan.release or path
             command = _how_to_verify(path.source)
@@ -172,22 +181,23 @@ class ReleaseGate:
                            f"engine.verify(model) after apply, or {command}")
             warnings.warn(message, _warning_kind(plan), stacklevel=4)
             return
-        if self.verified_after:  # apply(verify=...): the model's own verification follows, and decides
-            self.outcome = plan.release
-            return
         if path.kind == "refuse":
             raise UnverifiedContent(
                 f"patchset {plan.patchset.name!r}, {path.why}, is not content known verified on this release (not a "
                 f"bundled patchset as CI verified it here, and no passing verdict of its own in the cache), and "
-                f"unverified='refuse' applies only what is: nothing was patched. Verify it first: unverified='verify' "
-                f"(the default: verified once on a tiny {path.model_type} model, then cached), or "
-                f"{_how_to_verify(path.source)} to see every check")
+                f"unverified='refuse' applies only what is: nothing was patched. Verify it first: apply it once with "
+                f"unverified='verify' (the default: verified on a tiny {path.model_type} model with your model's "
+                f"classes, dtype, device, mode and kernels; a pass is cached, and every later apply of it to such a "
+                f"model, unverified='refuse' included, reads it). {_how_to_verify(path.source)} shows every check "
+                "but records no verdict for your model")
         verdict = release_verdict(self.model, plan, path.why, tiny_copy=self.tiny_copy)
         self.outcome = verdict
         if not verdict.passed:
             raise _refusal(verdict)
-        if plan.release is not None or not verdict.cached:  # a cached pass of one's own content goes on quietly
+        if plan.release is not None:  # a release outside the patchset's range stays a warning, pass or not
             warnings.warn(f"patch-engine: {verdict}; patched", _warning_kind(plan), stacklevel=4)
+        elif not verdict.cached:  # content of one's own that passed its self-verification: said, not warned about
+            LOG.info("patch-engine: %s; patched", verdict)
 
     def _deferred(self) -> OutsideRange | None:
         outside = self.outcome
