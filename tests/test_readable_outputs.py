@@ -76,3 +76,21 @@ def test_a_wrong_scale_names_the_declaration_once_and_its_consequences_as_such()
     assert "where the original's is" not in message
     table = report.table()
     assert "where the original's is" not in table and CONSEQUENCE in table
+
+
+def test_the_readmes_verify_example_is_what_the_command_prints(monkeypatch) -> None:
+    """README's ``$ patch-engine verify qwen3`` block, line by line (``...`` elides), as a user's run prints it."""
+    import re
+
+    monkeypatch.setenv("PATCH_ENGINE_COMPILE", "1")  # a user's default (the suite turns compiled kernels off)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = re.search(r"```console\n\$ patch-engine verify qwen3\n(.*?)```", readme, re.DOTALL)
+    assert block is not None
+    code, shown = _run(["verify", "qwen3"])
+    assert code == 0
+    printed = [" ".join(line.split()) for line in shown.splitlines()]
+    for line in block[1].splitlines():
+        if line.strip() == "...":
+            continue
+        pattern = re.escape(" ".join(line.split())).replace(re.escape("..."), ".*")
+        assert any(re.fullmatch(pattern, got) for got in printed), f"README shows {line!r}; the command printed:\n{shown}"
