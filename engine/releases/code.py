@@ -40,11 +40,14 @@ def patched_code(model: nn.Module, decisions: Iterable[Any]) -> dict[str, str]:
     """
     modules = dict(model.named_modules())
     found: dict[str, set[str]] = {}
+    identities: dict[int, str] = {}  # one walk per class or function, however many modules it has
     for d in decisions:
         if getattr(d, "action", "patch") != "patch":
             continue
         key, obj = code_key(d, modules.get(d.path))
-        found.setdefault(key, set()).add(code_identity(obj) if obj is not None else "missing")
+        if id(obj) not in identities:
+            identities[id(obj)] = code_identity(obj) if obj is not None else "missing"
+        found.setdefault(key, set()).add(identities[id(obj)])
     return {key: "+".join(sorted(ids)) for key, ids in sorted(found.items())}
 
 
