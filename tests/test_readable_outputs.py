@@ -5,6 +5,7 @@ writes nothing; a timing ratio says what it means; a failure names its cause onc
 from __future__ import annotations
 
 import io
+import re
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -21,10 +22,13 @@ def _run(argv: list[str]) -> tuple[int, str]:
 def test_coverage_no_verify_says_what_it_did_not_check(tmp_path: Path) -> None:
     # before: "**0** of the 289 ... are patched and verified (0%)", a verdict nobody measured
     page = tmp_path / "coverage.md"
-    code, _ = _run(["coverage", "llama", "gpt2", "--no-verify", "--out", str(page),
-                    "--measured", str(tmp_path / "none.json")])
+    code, shown = _run(["coverage", "llama", "gpt2", "--no-verify", "--out", str(page),
+                        "--measured", str(tmp_path / "none.json")])
     text = page.read_text()
     assert code == 0
+    # its progress, a line a type where stderr is no terminal (a bar on one; none with --quiet)
+    assert re.search(r"^coverage 1/2 \(\d+ s\): gpt2: no bundled patchset$", shown, re.MULTILINE), shown
+    assert re.search(r"^coverage 2/2 \(\d+ s\): llama: not verified \(--no-verify\)$", shown, re.MULTILINE)
     assert "patched and verified (" not in text and "**0**" not in text
     assert "- The 1 of the 2 causal-LM and image-text-to-text types of transformers" in text
     assert "with a bundled patchset are **not verified by this run** (`--no-verify`;" in text
@@ -80,8 +84,6 @@ def test_a_wrong_scale_names_the_declaration_once_and_its_consequences_as_such()
 
 def test_the_readmes_verify_example_is_what_the_command_prints(monkeypatch) -> None:
     """README's ``$ patch-engine verify qwen3`` block, line by line (``...`` elides), as a user's run prints it."""
-    import re
-
     monkeypatch.setenv("PATCH_ENGINE_COMPILE", "1")  # a user's default (the suite turns compiled kernels off)
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = re.search(r"```console\n\$ patch-engine verify qwen3\n(.*?)```", readme, re.DOTALL)
@@ -94,3 +96,12 @@ def test_the_readmes_verify_example_is_what_the_command_prints(monkeypatch) -> N
             continue
         pattern = re.escape(" ".join(line.split())).replace(re.escape("..."), ".*")
         assert any(re.fullmatch(pattern, got) for got in printed), f"README shows {line!r}; the command printed:\n{shown}"
+
+
+def test_progress_is_quiet_with_quiet() -> None:
+    from engine.commands.steps import Steps
+
+    stream = io.StringIO()
+    with Steps(2, "coverage", quiet=True, stream=stream) as steps:
+        steps.step("a")
+    assert stream.getvalue() == "" and steps.done == 1

@@ -221,8 +221,7 @@ def _cmd_scaffold(args: argparse.Namespace) -> int:
 
 
 def _cmd_coverage(args: argparse.Namespace) -> int:
-    from engine.commands.coverage import coverage_rows, render_markdown
-
+    from engine.commands.coverage import coverage_rows, default_types, render_markdown
     from engine.commands.coverage_measured import load_measured, measure_types
 
     if args.measure:  # the measured column's sweep: resumes where its data file stops (see coverage_measured)
@@ -233,13 +232,17 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
     if args.bundled_from:  # the bundled rows as a page already verified them; the measured column read again
         from pathlib import Path as _Path
 
-        from engine.commands.coverage import CoverageRow, bundled_by_type, default_types, rows_from_page
+        from engine.commands.coverage import CoverageRow, bundled_by_type, rows_from_page
 
         bundled = {r.model_type: r for r in rows_from_page(_Path(args.bundled_from).read_text(encoding="utf-8"))}
         by_type = bundled_by_type()  # a patchset bundled since the page was written: a row, not verified here
         rows = [bundled.get(t) or CoverageRow(t, by_type.get(t, [])) for t in sorted(args.model_types or default_types())]
     else:
-        rows = coverage_rows(args.model_types or None, verify=not args.no_verify)
+        from engine.commands.steps import Steps
+
+        types = sorted(args.model_types or default_types())
+        with Steps(len(types), "coverage", quiet=args.quiet) as steps:  # minutes: what runs, as it runs
+            rows = coverage_rows(types, verify=not args.no_verify, step=steps.step)
     measured = load_measured(args.measured)  # read after the bundled ones are verified: a sweep beside it may add to it
     for row in rows:
         row.measured = None if row.patchsets else measured.get(row.model_type)
@@ -342,6 +345,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="only these types (default: every causal-LM and image-text-to-text type, and every bundled one)")
     p.add_argument("--out", help="write the Markdown table here (docs/coverage.md); default: stdout")
     p.add_argument("--no-verify", action="store_true", help="skip running verify (fast)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress (a bar on a terminal, else a line a type)")
     p.add_argument("--measure", action="store_true",
                    help="scaffold and verify every generative type without a bundled patchset not yet in --measured")
     p.add_argument("--remeasure", action="store_true", help="with --measure: measure those already in --measured too")

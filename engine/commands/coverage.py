@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,13 +212,14 @@ def types_to_measure(model_types: Iterable[str] | None = None) -> list[str]:
 
 def coverage_rows(
     model_types: Iterable[str] | None = None, *, verify: bool = True, patchsets: dict[str, list[str]] | None = None,
-    measured: dict[str, dict[str, Any]] | None = None,
+    measured: dict[str, dict[str, Any]] | None = None, step: Callable[[str], Any] | None = None,
 ) -> list[CoverageRow]:
     """One row per model type (default: :func:`default_types`).
 
     ``patchsets`` maps a model type to its patchsets (names or paths; default: the bundled ones).
     A patchset that fails to build, plan or verify is a row saying why; the sweep goes on.
     ``measured``: the measured column's entries by type (:mod:`engine.commands.coverage_measured`).
+    ``step``: called after each type with what it found (the command's progress, :mod:`engine.commands.steps`).
     """
     by_type = bundled_by_type() if patchsets is None else patchsets
     verified: dict[str, tuple[bool, str]] = {}
@@ -226,23 +227,32 @@ def coverage_rows(
     for model_type in sorted(model_types or default_types(patchsets)):
         row = CoverageRow(model_type, by_type.get(model_type, []))
         rows.append(row)
-        if not row.patchsets:
-            row.measured = (measured or {}).get(model_type)
-            continue
-        primary = _primary(model_type, row.patchsets)
-        refusal = _refusal(primary)
-        if refusal is not None:  # not for this release: that is the row's whole answer
-            row.verified, row.note = False, refusal
-            continue
-        if verify:
-            if primary not in verified:
-                try:
-                    verified[primary] = verify_patchset(primary)
-                except Exception as exc:  # noqa: BLE001  (a row says what went wrong; the sweep goes on)
-                    verified[primary] = (False, _reason(exc))
-            row.verified, row.note = verified[primary]
-        _measure_share(row, model_type, primary)
+        _row(row, model_type, verify, verified, measured)
+        if step is not None:
+            found = {True: "verifies", False: "does not verify", None: "not verified (--no-verify)"}[row.verified]
+            step(f"{model_type}: {found if row.patchsets else 'no bundled patchset'}")
     return rows
+
+
+def _row(row: CoverageRow, model_type: str, verify: bool, verified: dict[str, tuple[bool, str]],
+         measured: dict[str, dict[str, Any]] | None) -> None:
+    """Fill one type's row: its measured entry, or its primary patchset's refusal, verdict and share."""
+    if not row.patchsets:
+        row.measured = (measured or {}).get(model_type)
+        return
+    primary = _primary(model_type, row.patchsets)
+    refusal = _refusal(primary)
+    if refusal is not None:  # not for this release: that is the row's whole answer
+        row.verified, row.note = False, refusal
+        return
+    if verify:
+        if primary not in verified:  # a patchset for several types is verified once
+            try:
+                verified[primary] = verify_patchset(primary)
+            except Exception as exc:  # noqa: BLE001  (a row says what went wrong; the sweep goes on)
+                verified[primary] = (False, _reason(exc))
+        row.verified, row.note = verified[primary]
+    _measure_share(row, model_type, primary)
 
 
 def _measure_share(row: CoverageRow, model_type: str, primary: str) -> None:
