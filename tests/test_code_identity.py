@@ -318,3 +318,22 @@ def test_a_layer_file_edited_between_two_processes_sharing_a_cache_is_measured_a
         [sys.executable, "-c", _RUN_PACKAGE], capture_output=True, text=True, cwd=tmp_path, timeout=600, check=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join((env_path, str(ROOT)))}).stdout.strip().splitlines()[-1])
     assert "error" not in second and second["diff"] < 1e-4, second  # not the first file's measurement, reused
+
+
+def test_a_measurement_cached_for_the_stock_class_is_not_reused_once_its_forward_changed() -> None:
+    from transformers.models.llama import modeling_llama as m
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = engine.apply(tiny_for("llama"), "measure")
+    assert any(line.startswith("LlamaRMSNorm") for line in first.zero_config.patched)
+    model = tiny_for("llama")
+    with _rebound(m.LlamaRMSNorm, 1.5):
+        before = _logits(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            second = engine.apply(model, "measure")
+        assert not second.zero_config.measure_cached  # measured again, on the code that runs now
+        assert not any(line.startswith("LlamaRMSNorm") for line in second.zero_config.patched)
+        assert torch.allclose(_logits(model), before, atol=1e-5, rtol=0)
+        engine.revert(model)
