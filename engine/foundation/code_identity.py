@@ -37,7 +37,7 @@ from typing import Any
 
 from engine.foundation.see_through import see_through
 
-__all__ = ["BOUNDARY", "MAX_REACHED", "code_identity", "identity_pieces"]
+__all__ = ["BOUNDARY", "MAX_REACHED", "code_identity", "identity_pieces", "own_class"]
 
 #: Top-level packages whose code is not followed: it is the machinery a model's code runs on.
 BOUNDARY = frozenset({"torch", "builtins", "numpy", "triton", "engine", "typing_extensions", "_pytest", "pytest",
@@ -296,6 +296,17 @@ def _is_registry(value: Any) -> bool:
     """A plain dict of functions or classes defined in a followed module (a dispatch table)."""
     return type(value) is dict and len(value) <= 256 and any(
         (inspect.isfunction(v) or isinstance(v, type)) and not _outside(v) for v in value.values())
+
+
+def own_class(cls: type) -> type:
+    """``cls``, or the class it wraps where torch made it at run time (FSDP2's ``FSDPQwen3RMSNorm``).
+
+    Why: ``fully_shard`` swaps a module's class for a subclass made on the spot (its module is
+    torch's); the code that computes is the wrapped class's, and that is what a verdict names.
+    """
+    if not _outside(cls):
+        return cls
+    return next((base for base in cls.__mro__[1:] if not _outside(base)), cls)
 
 
 def identity_pieces(obj: type | Callable[..., Any]) -> dict[str, str]:

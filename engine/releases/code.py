@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from engine.foundation.code_identity import code_identity
+from engine.foundation.code_identity import code_identity, own_class
 
 __all__ = ["code_key", "patched_code", "unverified_code"]
 
@@ -28,7 +28,7 @@ def code_key(decision: Any, module: nn.Module | None) -> tuple[str, Any]:
     if decision.site is not None:
         namespace = sys.modules.get(decision.site.namespace)
         return f"function {decision.site.function}", getattr(namespace, decision.site.function, None)
-    cls = type(module) if module is not None else None
+    cls = own_class(type(module)) if module is not None else None  # FSDP2's FSDP<Name>: the class it wraps
     return f"class {cls.__qualname__ if cls is not None else decision.cls}", cls
 
 

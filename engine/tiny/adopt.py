@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from engine.errors import InvalidArgument
+from engine.foundation.code_identity import own_class
 
 __all__ = ["adopt_classes"]
 
@@ -78,13 +79,13 @@ def adopt_classes(tiny: nn.Module, model: nn.Module, *, required: Iterable[str] 
         if user is None:
             suffixes = _suffixes(_pattern(path)) if path else [""]
             user = next((by_suffix[s] for s in suffixes if s in by_suffix), None)
-        if user is None or type(user) is type(module):
+        if user is None or own_class(type(user)) is type(module):  # FSDP2's FSDP<Name> wraps the same class
             continue
         if _layout(user) != _layout(module):
             refused.setdefault(type(user), f"{type(user).__qualname__} holds {_layout(user)} where the tiny model's "
                                            f"{type(module).__qualname__} at {path or '<root>'} holds {_layout(module)}")
             continue
-        module.__class__ = type(user)
+        module.__class__ = own_class(type(user))
         for name, value in vars(user).items():  # what only the user's __init__ set (an eps under another name)
             if name not in vars(module) and isinstance(value, _SIMPLE):
                 setattr(module, name, value)
@@ -92,8 +93,8 @@ def adopt_classes(tiny: nn.Module, model: nn.Module, *, required: Iterable[str] 
     held = {type(module) for module in tiny.modules()}
     # transformers' own class missing from the tiny model (another config: a dense layer where it has only sparse
     # ones) is the verifier's "did not run in the tiny model" finding; a class of the user's held nowhere is this one
-    missing = [(path, type(by_path[path])) for path in required
-               if path in by_path and type(by_path[path]) not in held and not _transformers_own(type(by_path[path]))]
+    missing = [(path, own_class(type(by_path[path]))) for path in required if path in by_path]
+    missing = [(path, cls) for path, cls in missing if cls not in held and not _transformers_own(cls)]
     if missing:
         path, cls = missing[0]
         why = f": {refused[cls]}" if cls in refused else ": the tiny model has no module at its place"
