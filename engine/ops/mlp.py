@@ -36,7 +36,7 @@ from engine.ops.base import ModuleOp, register_op, require_single_input
 from engine.ops.gated_mlp import ACTIVATION_PROBE
 from engine.schema import MlpActivation, MlpPatch
 
-__all__ = ["ACTIVATIONS", "MlpOp", "activation_reference"]
+__all__ = ["ACTIVATIONS", "MlpOp", "activation_reference", "computes_exactly"]
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def activation_reference(activation: MlpActivation) -> Callable[[torch.Tensor], 
     return ACTIVATIONS[activation]
 
 
-def _computes(act: Any, activation: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+def computes_exactly(act: Any, activation: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     """Whether the module ``act`` is ``activation`` bit for bit on the probe (fp32 and bf16)."""
     if not callable(act):
         return False
@@ -129,9 +129,9 @@ class MlpOp(ModuleOp):
                 f"({down.in_features} -> {down.out_features}) do not chain as up then down"
             )
         act = getattr(module, patch.act_attr, None)
-        if not _computes(act, ACTIVATIONS[patch.activation]):
+        if not computes_exactly(act, ACTIVATIONS[patch.activation]):
             found = type(act).__name__ if act is not None else f"missing (no attribute {patch.act_attr!r})"
-            fits = [a.value for a, f in ACTIVATIONS.items() if _computes(act, f)]
+            fits = [a.value for a, f in ACTIVATIONS.items() if computes_exactly(act, f)]
             hint = f"activation: {fits[0]} fits" if fits else "check the config's hidden_act, and act_attr"
             raise SignatureMismatch(
                 f"{cls}.{patch.act_attr} is {found}, which does not compute {patch.activation.value} exactly ({hint})"
@@ -187,7 +187,7 @@ class MlpOp(ModuleOp):
             if u.out_features != d.in_features or u.in_features != d.out_features:
                 continue  # both orders of a chaining pair are yielded: only running them tells which is up
             for activation, function in ACTIVATIONS.items():
-                if not _computes(getattr(module, act), function):
+                if not computes_exactly(getattr(module, act), function):
                     continue
                 for dropout_attr in dropouts:
                     yield MlpPatch(op="mlp", target=target, activation=activation, up_proj=up, down_proj=down,

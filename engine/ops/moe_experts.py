@@ -12,6 +12,9 @@ each routed (token, slot) pair::
     out = (h @ down_e^T (+ bias)) * top_k_weights[token, slot]
     y[token] += out                       # in the input dtype, experts in ascending order
 
+``act`` is the module's own activation (``act_fn = ACT2FN[config.hidden_act]``), declared by name
+(``silu`` for most MoEs; ``gelu`` ... ``relu2``, the names and expressions of the ``mlp`` op, for
+a config that sets another ``hidden_act``, as transformers' testers do) and checked bit for bit.
 gpt_oss gates with a clamped swiglu: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
 ``h = (u + 1) * g * sigmoid(alpha * g)``. An expert index equal to the number of experts is
 the expert-parallel sentinel: it contributes nothing, as in transformers.
@@ -43,9 +46,15 @@ from torch import nn
 
 from engine.errors import SignatureMismatch
 from engine.ops.base import ModuleOp, describe_signature, forward_parameters, register_op
-from engine.schema import ExpertsActivation, ExpertsLayout, MoeExpertsPatch
+from engine.ops.mlp import ACTIVATIONS, computes_exactly
+from engine.schema import ExpertsActivation, ExpertsLayout, MlpActivation, MoeExpertsPatch
 
 __all__ = ["MoeExpertsOp", "apply_gate", "expert_weights", "moe_experts_reference"]
+
+#: ``act`` of each ``act(gate) * up`` gating, as the mlp op computes it (transformers' ACT2FN expressions).
+GATE_ACTIVATIONS: dict[ExpertsActivation, Callable[[torch.Tensor], torch.Tensor]] = {
+    a: ACTIVATIONS[MlpActivation(a.value)] for a in ExpertsActivation if a is not ExpertsActivation.clamped_swiglu
+}
 
 #: The kernel signature every provider of ``moe_experts`` returns from ``build(patch)``.
 ExpertsKernel = Callable[..., torch.Tensor]
@@ -60,8 +69,8 @@ def apply_gate(
         gate, up = gate_up.chunk(2, dim=-1)
     else:
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    if activation is ExpertsActivation.silu:
-        return F.silu(gate) * up
+    if activation is not ExpertsActivation.clamped_swiglu:
+        return GATE_ACTIVATIONS[activation](gate) * up
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)  # type: ignore[operator]
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -213,17 +222,14 @@ class MoeExpertsOp(ModuleOp):
         if patch.activation is ExpertsActivation.clamped_swiglu:
             for key in ("alpha_attr", "limit_attr"):
                 value = getattr(module, getattr(patch, key), None)
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                if not _is_number(value):
                     raise SignatureMismatch(f"{cls} has no numeric attribute {getattr(patch, key)!r} ({key}), "
                                             "which activation clamped_swiglu needs")
             return
         act = getattr(module, patch.act_attr, None)
-        probe = torch.linspace(-6, 6, 97, dtype=torch.float32, device="cpu")  # not the meta device of a meta-built model
-        if not callable(act) or not torch.allclose(act(probe), F.silu(probe), atol=1e-6):
-            raise SignatureMismatch(
-                f"{cls}.{patch.act_attr} is {type(act).__name__}, which does not compute silu; activation silu "
-                "replaces silu-gated experts only (check the config's hidden_act, or declare clamped_swiglu)"
-            )
+        if not computes_exactly(act, GATE_ACTIVATIONS[patch.activation]):
+            raise SignatureMismatch(f"{cls}.{patch.act_attr} is {_activation_name(module, act)}, which does not "
+                                    f"compute {patch.activation.value} exactly; {_activation_fix(act)}")
 
     def users_choice(self, model: nn.Module, module: nn.Module) -> str | None:
         """The experts implementation the user chose, if it is not transformers' default (which the patch replaces)."""
@@ -254,23 +260,31 @@ class MoeExpertsOp(ModuleOp):
         return forward
 
     def candidates(self, module: nn.Module) -> Iterator[MoeExpertsPatch]:
-        """Every naming of the 3-D weights and 2-D biases, layout, storage order and activation.
+        """Every naming of the 3-D weights and 2-D biases, layout and storage order, with each activation it computes.
 
         Why all of them: ``concatenated`` and ``interleaved`` have the same shapes, and only
         the numbers tell them apart (the scaffold measures each; check_target drops the rest).
+        What is read off the module rather than tried: the flags transformers' decorator sets
+        (a layout or storage order they contradict is refused anyway, and its refusal would hide
+        the one that matters), and which activation its ``act_fn`` computes, bit for bit on a probe.
         """
         weights = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
         biases = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 2]
         if len(weights) < 2:
             return
-        acts = [n for n, m in module.named_children() if next(m.parameters(), None) is None] or ["act_fn"]
-        activations = [{"activation": ExpertsActivation.silu, "act_attr": a} for a in acts]
-        activations.append({"activation": ExpertsActivation.clamped_swiglu})
+        activations = _activation_candidates(module)
         bias_pairs = [(g, d) for g in [None, *biases] for d in [None, *biases] if g is None or g != d]
+        flags = {f: getattr(module, f, None) for f in ("is_transposed", "is_concatenated", "has_bias")}
+        layouts = [v for v in ExpertsLayout if not isinstance(flags["is_concatenated"], bool)
+                   or flags["is_concatenated"] == (v is ExpertsLayout.concatenated)]
+        storages = [t for t in (False, True)
+                    if not isinstance(flags["is_transposed"], bool) or flags["is_transposed"] == t]
+        if isinstance(flags["has_bias"], bool):
+            bias_pairs = [b for b in bias_pairs if any(b) == flags["has_bias"]]
         target = type(module).__name__
         for gate_up, down in itertools.permutations(weights, 2):
             for (g_bias, d_bias), layout, transposed, act in itertools.product(
-                bias_pairs, ExpertsLayout, (False, True), activations
+                bias_pairs, layouts, storages, activations
             ):
                 yield MoeExpertsPatch(
                     op="moe_experts", target=target, gate_up_proj=gate_up, down_proj=down, gate_up_bias=g_bias,
@@ -280,6 +294,44 @@ class MoeExpertsOp(ModuleOp):
     def alternatives(self, patch: MoeExpertsPatch) -> Iterator[tuple[str, MoeExpertsPatch]]:
         other = next(v for v in ExpertsLayout if v is not patch.layout)
         yield f"layout: {other.value}", patch.model_copy(update={"layout": other})
+
+
+def _activation_candidates(module: nn.Module) -> list[dict[str, Any]]:
+    """The activation settings to measure: ``act(gate) * up`` for each activation a parameterless child computes
+    bit for bit; the clamped swiglu for each pair of numeric attributes ``PREFIXalpha`` and ``PREFIXlimit``
+    (gpt_oss: ``alpha``, ``limit``; MiniMax-M3: ``swiglu_alpha``, ``swiglu_limit``). Where none fits, the
+    silu declaration alone, whose refusal names the module's activation."""
+    acts = [n for n, m in module.named_children() if next(m.parameters(), None) is None] or ["act_fn"]
+    found: list[dict[str, Any]] = [{"activation": a, "act_attr": n} for n in acts for a, f in GATE_ACTIVATIONS.items()
+                                   if computes_exactly(getattr(module, n, None), f)]
+    numbers = sorted(k for k, v in vars(module).items() if not k.startswith("_") and _is_number(v))
+    found += [{"activation": ExpertsActivation.clamped_swiglu, "alpha_attr": a, "limit_attr": lim}
+              for a in numbers if a.endswith("alpha") for lim in numbers if lim == a.removesuffix("alpha") + "limit"]
+    return found or [{"activation": ExpertsActivation.silu, "act_attr": acts[0]}]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _activation_name(module: nn.Module, act: Any) -> str:
+    """``GELUActivation (hidden_act 'gelu')``: the module's activation as the user configured it."""
+    if act is None:
+        return "missing (no such attribute)"
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+    return type(act).__name__ + (f" (hidden_act {hidden_act!r})" if isinstance(hidden_act, str) else "")
+
+
+def _activation_fix(act: Any) -> str:
+    """The declaration that computes ``act``, or why no moe_experts declaration does."""
+    if act is None:
+        return "declare act_attr (the attribute holding the activation), or clamped_swiglu (gpt_oss's experts)"
+    fits = [a.value for a, f in GATE_ACTIVATIONS.items() if computes_exactly(act, f)]
+    if fits:
+        return f"declare activation: {fits[0]}"
+    names = ", ".join(a.value for a in GATE_ACTIVATIONS)
+    return (f"moe_experts computes act(gate) * up for {names} (bit for bit, as transformers' ACT2FN) or "
+            "gpt_oss's clamped_swiglu, none of which is this activation: these experts stay unpatched")
 
 
 def _implementation(module: nn.Module) -> str | None:

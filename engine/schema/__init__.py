@@ -327,9 +327,15 @@ class ExpertsLayout(StrEnum):
 
 
 class ExpertsActivation(StrEnum):
-    """The gating of an expert: what ``h = f(gate, up)`` is."""
+    """The gating of an expert, ``h = f(gate, up)``: ``act(gate) * up`` (the module's act checked bit for bit)."""
 
-    silu = "silu"  # act_fn(gate) * up, act_fn checked to be silu
+    silu = "silu"  # the activations of MlpActivation (ACT2FN's expressions): silu experts are most MoEs'
+    gelu = "gelu"  # exact erf GELU (a config's hidden_act="gelu", as transformers' testers set it)
+    gelu_tanh = "gelu_tanh"
+    gelu_new = "gelu_new"
+    quick_gelu = "quick_gelu"
+    relu = "relu"
+    relu2 = "relu2"
     clamped_swiglu = "clamped_swiglu"  # gpt_oss: g = min(gate, limit); (clamp(up, +-limit) + 1) * g * sigmoid(alpha g)
 
 
@@ -349,7 +355,7 @@ class MoeExpertsPatch(ModulePatch):
     layout: ExpertsLayout = Field(default=ExpertsLayout.concatenated, description="concatenated [gate|up] or interleaved.")
     transposed: bool = Field(default=False, description="Weights stored [E, in, out] (x @ W) instead of [E, out, in].")
     activation: ExpertsActivation = ExpertsActivation.silu
-    act_attr: str = Field(default="act_fn", description="silu: attribute holding the activation; checked to be SiLU.")
+    act_attr: str = Field(default="act_fn", description="Attribute holding act; checked bit for bit.")
     alpha_attr: str = Field(default="alpha", description="clamped_swiglu: attribute holding alpha.")
     limit_attr: str = Field(default="limit", description="clamped_swiglu: attribute holding the clamp limit.")
 
