@@ -118,3 +118,22 @@ def test_llama4_composite_verifies_its_vision_tower_from_the_cli(capsys: pytest.
     assert "vision_model.model.layers.0.input_layernorm" in checked
     assert any(m.endswith("modeling_llama4.vision_apply_rotary_emb") for m in checked)
     assert sum(p.numel() for p in model.parameters()) < 300_000  # the defaults' 4096-wide adapter: 17M
+
+
+def test_zero_configuration_patches_mistral3_whole_with_the_rope_of_both_modules() -> None:
+    """``engine.apply(model)`` on a Mistral 3 composite: its language model, its Pixtral tower and projector,
+    and ``apply_rotary_pos_emb`` in both modules that define it (modeling_mistral for the text,
+    modeling_pixtral for the images: the scaffold now runs the tower, so both copies are measured where they
+    are called; issue 47). Image features and logits are the unpatched model's, bit for bit."""
+    model = build_tiny_model("mistral3")
+    unpatched = copy.deepcopy(model)
+    report = engine.apply(model)
+    patched = [d for d in report.decisions if d.action == "patch"]
+    ropes = {d.path.rsplit(".", 2)[-2] for d in patched if d.op == "rope"}
+    assert ropes == {"modeling_mistral", "modeling_pixtral"}, ropes
+    assert {"PixtralRMSNorm", "PixtralMLP", "Mistral3RMSNorm", "MistralRMSNorm", "MistralMLP"} <= {d.cls for d in patched}
+    inputs = tiny_vision_inputs(model)
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(image_features(model, inputs), image_features(unpatched, inputs))
+        assert torch.equal(model(input_ids=ids).logits, unpatched(input_ids=ids).logits)

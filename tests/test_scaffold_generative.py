@@ -83,9 +83,14 @@ def test_a_scaffolded_composite_validates_and_verifies_as_written(model_type: st
             assert main(["verify", str(path), *on, "--json"]) == 0, out.getvalue()[-2000:]
 
 
-def test_a_function_defined_in_a_module_the_probe_never_runs_is_not_declared() -> None:
-    # Mistral 3: apply_rotary_pos_emb is defined in modeling_mistral (run) and modeling_pixtral (the vision
-    # tower, not run by a text probe). A function patch routes the name in both, so it is left unpatched.
-    text = scaffold("mistral3").to_yaml()
-    assert "function: apply_rotary_pos_emb" not in text
-    assert "never calls the one in transformers.models.pixtral.modeling_pixtral" in text
+def test_a_function_defined_in_two_modules_is_measured_where_each_is_called() -> None:
+    # Mistral 3: apply_rotary_pos_emb is defined in modeling_mistral (the language model) and modeling_pixtral
+    # (the vision tower, which token ids never reach). A function patch routes the name in both, so the
+    # scaffold runs the tower on random images too and measures each copy on its own inputs (issue 47).
+    result = scaffold("mistral3")
+    rope = next(f for f in result.findings if f.kind == "function" and f.name == "apply_rotary_pos_emb")
+    assert rope.instances == 2 and not rope.note and rope.chosen is not None and rope.chosen.patch.op == "rope"
+    declared = _declared(result)
+    assert declared.get("function:apply_rotary_pos_emb") == "rope"
+    assert declared.get("PixtralRMSNorm") == "rms_norm"  # the tower's own modules are measured too
+    assert "never calls the one in" not in result.to_yaml()

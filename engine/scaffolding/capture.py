@@ -65,6 +65,10 @@ def model_functions(model: nn.Module) -> dict[tuple[str, str], Callable[..., Any
 def capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
     """One forward (and a decode step): the first inputs of every module and of every named function.
 
+    A composite's vision tower runs too (random images through its ``get_image_features``), so its
+    modules and its copies of a function (mistral3: ``apply_rotary_pos_emb`` of ``modeling_mistral`` for
+    the text, of ``modeling_pixtral`` for the images) are measured where they are called.
+
     Returns ``({module path: (args, kwargs)}, {(namespace, name): (function, (args, kwargs) or None)})``.
     """
     modules: dict[str, Any] = {}
@@ -97,7 +101,26 @@ def capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], Any
                     model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
             except (TypeError, ValueError, NotImplementedError, RuntimeError):
                 pass
+            _vision_step(model)
     finally:
         for h in handles:
             h.remove()
     return modules, {key: (value, functions.get(key)) for key, value in named.items()}
+
+
+def _vision_step(model: nn.Module) -> None:
+    """Random images through a composite's vision tower (which token ids never reach); nothing without one.
+
+    A tower that does not run on the tiny inputs leaves its modules and functions uncaptured, and the
+    scaffold says each was never called, as for any other probe it cannot make.
+    """
+    from engine.tiny import image_features, tiny_vision_inputs
+
+    inputs = tiny_vision_inputs(model)
+    if inputs is None:
+        return
+    device = next(model.parameters()).device
+    try:
+        image_features(model, {k: v.to(device) for k, v in inputs.items()})
+    except (TypeError, ValueError, AttributeError, NotImplementedError, RuntimeError):
+        pass
