@@ -43,6 +43,13 @@ def test_bench_rejects_an_unknown_section_lists_the_valid_ones_and_writes_nothin
     assert "unknown section 'nope'; the sections: ops, overhead, plan, train" in text
 
 
+def test_bench_says_which_section_it_measured(tmp_path: Path) -> None:
+    code, text = _run(["bench", "--only", "overhead", "--repeats", "1", "--out", str(tmp_path)])
+    assert code == 0 and re.search(r"^bench 1/1 \(\d+ s\): overhead measured$", text, re.MULTILINE), text
+    code, text = _run(["bench", "--only", "overhead", "--repeats", "1", "--out", str(tmp_path), "--quiet"])
+    assert code == 0 and "overhead measured" not in text
+
+
 def test_the_demos_ratio_says_what_it_means_on_a_cpu() -> None:
     from engine.commands.demo import ratio_note
 

@@ -40,6 +40,7 @@ import torch
 
 from engine.commands.bench_chart import chart
 from engine.commands.results_sections import write_unmarked
+from engine.commands.steps import Steps
 
 __all__ = ["main", "run"]
 
@@ -285,7 +286,8 @@ def bench_train(repeats: int) -> dict[str, Any]:
     }
 
 
-def run(sections: Sequence[str], out: Path, *, repeats: int = 7, quick: bool = False) -> dict[str, Any]:
+def run(sections: Sequence[str], out: Path, *, repeats: int = 7, quick: bool = False,
+        quiet: bool = True) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "torch": torch.__version__, "python": platform.python_version()},
@@ -293,15 +295,15 @@ def run(sections: Sequence[str], out: Path, *, repeats: int = 7, quick: bool = F
         "repeats": repeats,
     }
     results["machine"]["transformers"] = __import__("transformers").__version__
-    if "ops" in sections:
-        results["copy_GBps"] = _copy_bandwidth(repeats) / 1e9
-        results["ops"] = bench_ops(repeats, quick)
-    if "overhead" in sections:
-        results["overhead"] = bench_overhead(repeats)
-    if "plan" in sections:
-        results["plan"] = bench_plan(repeats)
-    if "train" in sections:
-        results["train"] = bench_train(max(1, min(repeats, 3)))
+    measures = {"ops": lambda: {"copy_GBps": _copy_bandwidth(repeats) / 1e9, "ops": bench_ops(repeats, quick)},
+                "overhead": lambda: {"overhead": bench_overhead(repeats)},
+                "plan": lambda: {"plan": bench_plan(repeats)},
+                "train": lambda: {"train": bench_train(max(1, min(repeats, 3)))}}
+    todo = [name for name in SECTIONS if name in sections]
+    with Steps(len(todo), "bench", quiet=quiet) as steps:  # minutes on a CPU: which section, as it runs
+        for name in todo:
+            results.update(measures[name]())
+            steps.step(f"{name} measured")
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu.json").write_text(json.dumps(results, indent=2) + "\n")
     write_unmarked(out / "cpu.md", markdown(results))  # the FLCE and MoE scripts' sections stay
@@ -367,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="benchmarks/results", help="directory for cpu.json and cpu.png")
     parser.add_argument("--repeats", type=int, help="timed runs per measurement (default 7; a checkpoint: 5)")
     parser.add_argument("--quick", action="store_true", help="smaller op shapes (a smoke run)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress (a bar on a terminal, else a line)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     real = parser.add_argument_group("a real checkpoint (engine/commands/bench_checkpoint.py): train step, forwards, "
                                      "greedy decodes, unpatched vs patched (+ fused head); replaces the sections above")
@@ -417,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(checkpoint_markdown(result, result["checkpoint"], command))
         return 0
-    results = run(args.only.split(","), Path(args.out), repeats=args.repeats or 7, quick=args.quick)
+    results = run(args.only.split(","), Path(args.out), repeats=args.repeats or 7, quick=args.quick, quiet=args.quiet)
     _print(results)
     print(f"wrote {Path(args.out) / 'cpu.json'} and {Path(args.out) / 'cpu.png'}")
     return 0
