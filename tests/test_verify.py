@@ -135,23 +135,21 @@ def test_silu_declared_on_a_sigmoid_gated_norm() -> None:
     assert_same(before, snapshot(model))
 
 
-def test_a_function_never_called_is_a_failure() -> None:
+def test_a_function_never_called_is_skipped_by_the_plan_with_its_guard() -> None:
     """SmolLM3 attention calls apply_rotary_pos_emb only in layers with rope; with none, rope is a no-op.
 
-    The planner sees the name in the forward's code (a real call site) and patches it; only
-    running the model shows it is never called.
+    The planner reads the call's guard (``if self.use_rope``) on each module: where no module's
+    config calls the function, the patch is skipped with that reason (loud in the plan, nothing
+    installed), not installed and then found "never called" by the verification. A call the
+    planner cannot judge statically is still caught when it runs (the next test).
     """
     ps = _patchset("smollm3", {"op": "rope"})
     with_rope = build_tiny_model("smollm3", {"pad_token_id": 0, "no_rope_layers": [1, 0]})
     assert engine.verify(with_rope, ps, device="cpu").passed
     no_rope = build_tiny_model("smollm3", {"pad_token_id": 0, "no_rope_layers": [0, 0]})
-    assert any(d.action == "patch" for d in engine.plan(no_rope, ps, device="cpu").decisions)
-    err = _fails(no_rope, ps)
-    assert str(err).splitlines()[1] == (
-        "  transformers.models.smollm3.modeling_smollm3.apply_rotary_pos_emb (function): called failed: "
-        "never called during the verification forward, so this patch changes nothing for this model: "
-        "remove it, or check that the config exercises it"
-    )
+    (decision,) = engine.plan(no_rope, ps, device="cpu").decisions
+    assert decision.action == "skip" and "never called for this config" in decision.reason
+    assert "self.use_rope" in decision.reason
 
 
 def test_a_function_the_patched_model_no_longer_calls_is_a_failure(monkeypatch) -> None:
