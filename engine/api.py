@@ -7,6 +7,7 @@ verification compares numbers. Only this module combines patching with verificat
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,8 +15,9 @@ import torch
 from torch import nn
 
 from engine import verification, zeroconfig
-from engine.errors import InvalidArgument, VerificationFailed
+from engine.errors import InvalidArgument, VerificationFailed, ZeroConfigWarning
 from engine.foundation.release_policy import either, resolve_policy
+from engine.loader import load_patchset
 from engine.patching.patcher import apply as _patch
 from engine.patching.patcher import is_patched, revert
 from engine.planning.decisions import Plan
@@ -25,7 +27,9 @@ from engine.planning.report import Report
 from engine.releases import ReleaseGate
 from engine.runtime.wrappers import unwrap
 from engine.schema import Device, Patchset
+from engine.verification.real_modules import RealModules, check_real_modules
 from engine.zeroconfig.tiny_copy import tiny_copy
+from engine.zeroconfig.verdict import subset
 
 __all__ = ["apply", "is_patched", "plan", "revert", "verify"]
 
@@ -75,6 +79,7 @@ def apply(
     unverified: str | None = None,
     unverified_release: str | None = None,
     strict: bool = False,
+    check_modules: bool = True,
 ) -> Report:
     """Patch ``model`` in place with ``patchset``; return what was done.
 
@@ -121,6 +126,18 @@ def apply(
     ``"trust"`` patches with a warning. :func:`plan` says which way it goes; the report's
     ``release`` keeps the verdict (:mod:`engine.releases`). With ``verify=...`` the verification
     of this model itself stands for it (no tiny model is built).
+
+    **Checked on your own modules** (``check_modules=True``, the default): once installed, each
+    patched class is also compared, original forward against patched forward (and backward in
+    training), on one of this model's own instances per parameter shape: its weights, width, dtype
+    and device, at 1, 17 and 129 rows (:mod:`engine.verification.real_modules`; ops with hidden-state
+    inputs; cached for the process). A difference beyond the original's own rounding error reverts
+    the model and raises :class:`VerificationFailed` naming the module's path, class, patch, dtype,
+    length and difference; with zero configuration the failing patches are left unpatched instead
+    (``report.zero_config.not_patched``, a :class:`~engine.errors.ZeroConfigWarning`; an error with
+    ``strict=True``). ``report.real_modules`` says what was checked and what was not, and why.
+    With ``verify=...`` it runs after that verification (whose report, on a failure, says more).
+    ``unverified="trust"`` and ``check_modules=False`` skip it.
     """
     options = _verify_options(verify)  # bad options fail before the model changes
     policy = _policy(unverified, unverified_release, "apply")
@@ -142,22 +159,89 @@ def apply(
                     unverified_release=policy, before_install=gate)
     if gate.outcome is not None:
         report.release = gate.outcome
-    if options is not None and report.verification is None:  # a repeat that changed nothing keeps its verification
-        try:
-            report.verification = verification.verify(model, raise_on_failure=True, **options)
-        except VerificationFailed as exc:
-            revert(model)
-            gate.failed_on_model(exc)
-            raise
-        except Exception:  # verification could not run (a bad batch): the model is as it was before this call
-            if not was_patched:
-                revert(model)
-            raise
-        gate.passed_on_model(report)
+    if options is not None:  # this model's own verification first: its report says what it found, as always
+        _verify_model(model, report, options, gate, was_patched)
+    if not check_modules or policy == "trust":
+        report.real_modules = RealModules(skipped="check_modules=False" if not check_modules else
+                                          "unverified='trust': patched as given")
+    else:
+        checked = _own_modules(model, report, choice, patchset, strict=strict, device=device, mode=mode,
+                               fused_cross_entropy=fused_cross_entropy, unverified_release=policy)
+        if checked is not report and options is not None:  # fewer patches now (zero configuration): verified again
+            _verify_model(model, checked, options, _Unrecorded(), was_patched)  # a part of the content: no verdict
+        report = checked
     if choice is not None:
         report.zero_config = choice.record
     return report
 
+
+
+class _Unrecorded:
+    """A gate's verdict hooks that record nothing (a re-verification of a part of a patchset's content)."""
+
+    def passed_on_model(self, report: Any) -> None:
+        """Nothing recorded: the content verified is not the content the gate knows."""
+
+    def failed_on_model(self, error: Exception) -> None:
+        """Nothing recorded: the error names the module."""
+
+
+def _verify_model(model: nn.Module, report: Report, options: dict[str, Any], gate: Any, was_patched: bool) -> None:
+    """``apply(verify=...)``: this model verified as patched; a failure reverts it and raises."""
+    if report.verification is not None:  # a repeat that changed nothing keeps its verification
+        return
+    try:
+        report.verification = verification.verify(model, raise_on_failure=True, **options)
+    except VerificationFailed as exc:
+        revert(model)
+        gate.failed_on_model(exc)
+        raise
+    except Exception:  # verification could not run (a bad batch): the model is as it was before this call
+        if not was_patched:
+            revert(model)
+        raise
+    gate.passed_on_model(report)
+
+
+def _own_modules(model: nn.Module, report: Report, choice: Any, patchset: Any, *, strict: bool,
+                 **apply_kwargs: Any) -> Report:
+    """The real-module check of an installed plan: the report, or a refusal (named) / a smaller patchset (zero config).
+
+    Named patchset (or ``strict``): any failure reverts the model and raises. Zero configuration
+    asked for what fits this model, so a failing patch is dropped instead: the model is reverted
+    and re-patched with the other patches (:func:`engine.zeroconfig.verdict.subset`), without the
+    release gate, which has passed the whole patchset and a part of it the same; the re-patched
+    model is checked again (read from the in-process cache).
+    """
+    found = check_real_modules(model, report)
+    report.real_modules = found
+    if found.passed:
+        return report
+    revert(model)
+    if choice is None or strict:
+        raise VerificationFailed(found.message())
+    loaded = patchset if isinstance(patchset, Patchset) else load_patchset(patchset)
+    failed = found.failed_patches()
+    dropped = [f"{m.cls}: {m.op}: not patched, failed the check on your own module: {m.finding()}"
+               for m in found.failed]
+    warnings.warn("patch-engine: " + "; ".join(dropped), ZeroConfigWarning, stacklevel=3)
+    choice.record.not_patched += dropped
+    keep = [i for i in range(len(loaded.patches)) if i not in failed]
+    found.left_unpatched = dropped
+    if not keep:  # nothing left: the model as it was, and the report of an empty plan
+        empty = Report.from_plan(_plan(model, subset(loaded, []), device=apply_kwargs["device"],
+                                       mode=apply_kwargs["mode"], fused_cross_entropy=False))
+        empty.release, empty.real_modules = report.release, found
+        return empty
+    again = _patch(model, subset(loaded, keep), **apply_kwargs)
+    again.release = report.release
+    checked = check_real_modules(model, again)
+    if not checked.passed:  # what is left computes what it should on its own; anything else is a bug here
+        revert(model)
+        raise VerificationFailed(checked.message())
+    checked.left_unpatched = dropped
+    again.real_modules = checked
+    return again
 
 
 def plan(

@@ -30,6 +30,9 @@ class Report:
     #: ``engine.apply(model)`` with no patchset: what zero configuration chose, measured, verified and left
     #: unpatched, and why (:class:`engine.zeroconfig.ZeroConfigReport`); ``None`` when a patchset was named.
     zero_config: Any = None
+    #: What was checked on the model's own modules after patching, original vs patched at a few lengths, and
+    #: what was not and why (:class:`engine.verification.real_modules.RealModules`); ``None``: not run.
+    real_modules: Any = None
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Report:
@@ -91,6 +94,7 @@ class Report:
             "fullgraph_blocker": self.fullgraph_blocker,
             "release": _release_dict(self.release),
             "zero_config": self.zero_config.to_dict() if self.zero_config is not None else None,
+            "real_modules": self.real_modules.to_dict() if self.real_modules is not None else None,
         }
 
     def summary_line(self) -> str:
@@ -131,7 +135,8 @@ class Report:
             f"{n} patched, {len(self.skipped)} skipped"
         )
         text = head + (f"\n{_release_line(self.release)}" if self.release is not None else "")
-        text += (f"\n{self.zero_config}" if self.zero_config is not None else "") + "\n" + self.table()
+        text += f"\n{self.zero_config}" if self.zero_config is not None else ""
+        text += (f"\n{self.real_modules}" if self.real_modules is not None else "") + "\n" + self.table()
         eager = self.compile_disabled
         if eager:
             text += (
