@@ -33,9 +33,25 @@ def bundled_names() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())
 
 
-def _bundled_hint() -> str:
+def _bundled_hint(text: str = "") -> str:
+    """The bundled names nearest to what was typed, and where the rest are listed (not all 110 of them).
+
+    Why summarised: a typo used to be answered with every bundled name on one line, past a
+    screen's width, the one meant lost among them.
+    """
+    import difflib
+
     names = bundled_names()
-    return "bundled patchsets: " + (", ".join(names) if names else "(none)")
+    if not names:
+        return "bundled patchsets: (none)"
+    stem = Path(str(text)).name.removesuffix(".yaml").removesuffix(".yml").lower()
+    near = difflib.get_close_matches(stem, names, n=5, cutoff=0.6) if stem else []
+    if not near and stem:
+        near = [n for n in names if n.startswith(stem[:4])][:5]
+    common = [n for n in ("qwen3", "llama", "gemma3", "mistral") if n in names] or names[:4]
+    shown = f"nearest: {', '.join(near)}; " if near else f"e.g. {', '.join(common)}; "
+    return (f"bundled patchsets: {shown}{len(names)} in all, listed in docs/bundled_patchsets.md "
+            "(engine.loader.bundled_names())")
 
 
 def is_bare_name(text: str) -> bool:
@@ -72,7 +88,7 @@ def _checked(path: Path, text: str) -> Path:
     if not _has_yaml_suffix(real.name):  # a symlink named x.yaml that leads elsewhere
         raise PatchsetError(
             f"{text!r} leads to {str(real)!r}, which is not a .yaml/.yml file, so it is not read as a "
-            f"patchset; give a bundled name or a .yaml/.yml file. {_bundled_hint()}",
+            f"patchset; give a bundled name or a .yaml/.yml file. {_bundled_hint(text)}",
             file=str(path.absolute()),
         )
     return real
@@ -86,7 +102,7 @@ def _not_a_patchset(text: str, path: Path) -> PatchsetError:
             f"{text!r} is not a .yaml/.yml file, so it is not read as a patchset; give a bundled name "
             "or a .yaml/.yml file (rename the file to .yaml if it is a patchset)"
         )
-    return PatchsetError(f"{problem}. {_bundled_hint()}", file=str(path.absolute()))
+    return PatchsetError(f"{problem}. {_bundled_hint(str(path))}", file=str(path.absolute()))
 
 
 def resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathLike | None = None) -> Path:
@@ -152,4 +168,4 @@ def _resolve(name_or_path: str | os.PathLike, relative_to: Path | str | os.PathL
         raise PatchsetError("no such file", file=str(base))
     looked = ", ".join(shown_path(t) for t in dict.fromkeys(tried))  # a NUL byte escaped, never printed raw
     what = "not a bundled name and no such file" if bare else "no such file"
-    raise PatchsetError(f"no patchset {text!r}: {what} (looked at {looked}); {_bundled_hint()}")
+    raise PatchsetError(f"no patchset {text!r}: {what} (looked at {looked}); {_bundled_hint(text)}")
