@@ -131,7 +131,8 @@ def test_zero_configuration_patches_mistral3_whole_with_the_rope_of_both_modules
     patched = [d for d in report.decisions if d.action == "patch"]
     ropes = {d.path.rsplit(".", 2)[-2] for d in patched if d.op == "rope"}
     assert ropes == {"modeling_mistral", "modeling_pixtral"}, ropes
-    assert {"PixtralRMSNorm", "PixtralMLP", "Mistral3RMSNorm", "MistralRMSNorm", "MistralMLP"} <= {d.cls for d in patched}
+    classes = {d.cls for d in patched}
+    assert {"PixtralRMSNorm", "PixtralMLP", "Mistral3RMSNorm", "MistralRMSNorm", "MistralMLP"} <= classes
     inputs = tiny_vision_inputs(model)
     ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
