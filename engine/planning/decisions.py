@@ -97,11 +97,29 @@ _RELEASE_ACTION = {
 }
 
 
-def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """An aligned plain-text table."""
+#: The widest a table is printed: its last column (a reason, a note) wraps beneath itself past this.
+TABLE_WIDTH = 120
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, width: int | None = None) -> str:
+    """An aligned plain-text table; with ``width``, at most that wide where its other columns allow.
+
+    Why wrap the last column: it holds the prose (the plan's ``why``, a check's note), which ran to
+    ~190 characters and made every row of a terminal's table wrap at random; wrapped beneath its
+    own column, a row stays readable and the first columns stay aligned.
+    """
+    import textwrap
+
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    start = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    if width is not None:
+        widths[-1] = min(widths[-1], max(width - start, 30))
+    lines = []
+    for r in cells:
+        parts = (textwrap.wrap(r[-1], widths[-1], break_on_hyphens=False) or [""]) if len(r[-1]) > widths[-1] else [r[-1]]
+        lines.append("  ".join(c.ljust(w) for c, w in zip([*r[:-1], parts[0]], widths)).rstrip())
+        lines += [(" " * start + part).rstrip() for part in parts[1:]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -141,4 +159,5 @@ def format_decisions(decisions: Iterable[Decision], *, detail: bool = False) -> 
             (((d.sub_model or "-",) if sub else ()) + (d.path, d.cls, d.op, d.kernel or "-", d.action, d.reason)
              for d in decisions),
         )
-    return format_table((*first, "target", "op", "kernel", "decision", "modules", "why"), _grouped(decisions, sub))
+    return format_table((*first, "target", "op", "kernel", "decision", "modules", "why"), _grouped(decisions, sub),
+                        width=TABLE_WIDTH)
