@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from engine.auditing.put_back import MOST_TRIED, Undoers
+from engine.auditing.report import check_key, checks_text
 from engine.verification.results import Check
 
 __all__ = ["found_changes_account", "locate_instance_changes", "undoers_of"]
@@ -160,26 +161,29 @@ def locate_instance_changes(rows: list[Any], checks: list[Check], undo: dict[int
             continue
         if (row.change in _MISSABLE and row.result == "same") or (failed and not explained):
             groups.setdefault((row.cls, row.change, row.detail), []).append(row)
-    worst = max((ratios.get(what.split(" ")[0], 0.0) for what in failed), default=0.0)
+    worst = max((ratios.get(check_key(what), 0.0) for what in failed), default=0.0)
     ordered = sorted(groups.values(), key=lambda g: g[0].change not in _MISSABLE)
     for group in ordered[:MOST_TRIED]:
         with _all_undone([undo[id(r)] for r in group]):
             again = rerun()
         if failed and not any(not c.passed for c in again if c.what in failed):
+            under_conditions = all(w.endswith("]") for w in failed)
+            why = ("on the probe's recorded inputs, which the condition's are not" if under_conditions else
+                   "(it runs only where the whole model runs it: a hook on an accumulated gradient, a number read "
+                   "elsewhere)")
             for row in group:
                 was = row.result
                 row.result, row.ratio, row.evidence = "differs", worst or None, "put back"
-                row.note = (f"its own check was {was} (it runs only where the whole model runs it: a hook on an "
-                            f"accumulated gradient, a number read elsewhere); with it put back, the whole model's "
-                            f"{', '.join(failed)} pass: this change is what moves them")
+                row.note = (f"its own check was {was} {why}; with it put back, the whole model's {checks_text(failed)} "
+                            "pass: this change is what moves them")
             continue
-        shifted = [c.what.split(" ")[0] for c, a in zip(checks, again, strict=False)
+        shifted = [c.what for c, a in zip(checks, again, strict=False)
                    if (c.max_abs, c.max_rel, c.note) != (a.max_abs, a.max_rel, a.note)]  # other numbers, for certain
         if not failed and shifted:
             for row in [r for r in group if r.result == "same"]:
                 row.result, row.evidence = "passes", "put back"
                 row.note = (f"its own check was same, and the whole model runs it to other numbers: with it put back "
-                            f"its {', '.join(shifted)} change (within the original's rounding error)")
+                            f"its {checks_text(shifted)} change (within the original's rounding error)")
 
 
 def found_changes_account(rows: list[Any], undo: dict[int, tuple[Any, Any]], process: Undoers,

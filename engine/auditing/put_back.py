@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from engine.auditing.process_state import ProcessChange, put_back
+from engine.auditing.report import check_key, checks_text
 from engine.verification.results import Check
 
 __all__ = ["explained_by_rerunning", "locate_by_putting_back", "undoers"]
@@ -76,14 +77,14 @@ def explained_by_rerunning(rows: list[Any], checks: list[Check],
     failed = [c.what for c in checks if not c.passed]  # logits, loss, grads: in the checks' order
     if not failed:
         return
-    worst = max((ratios.get(what.split(" ")[0], 0.0) for what in failed), default=0.0)
+    worst = max((ratios.get(check_key(what), 0.0) for what in failed), default=0.0)
     for row in [r for r in rows if r.result == "whole model" and r.path in contexts][:MOST_TRIED]:
         with contexts[row.path]():
             again = rerun()
         if any(not c.passed for c in again if c.what in failed):
             continue
         row.result, row.ratio = "differs", worst or None
-        yield row, ", ".join(failed)
+        yield row, checks_text(failed)
 
 
 def locate_by_putting_back(rows: list[Any], checks: list[Check], undo: Undoers,

@@ -24,7 +24,25 @@ from typing import Any
 from engine.planning.report import format_table
 from engine.verification.results import Check
 
-__all__ = ["AuditReport", "Row"]
+__all__ = ["AuditReport", "Row", "check_key", "checks_text"]
+
+def check_key(what: str) -> str:
+    """A whole-model check's key: ``logits`` for ``logits (no labels)``, ``grads [left padding]`` under a condition
+    (:mod:`engine.auditing.conditions`)."""
+    head = what.split(" ")[0]
+    return f"{head} {what[what.rindex('['):]}" if what.endswith("]") and "[" in what else head
+
+
+def checks_text(whats: list[str]) -> str:
+    """Whole-model checks named once each: ``logits, loss, grads``, and where conditions are among them,
+    ``logits, grads (on the probe and with length 17, left padding)`` or ``grads (with length 100)``."""
+    heads = list(dict.fromkeys(w.split(" ")[0] for w in whats))
+    under = list(dict.fromkeys(w[w.rindex("[") + 1:-1] for w in whats if w.endswith("]") and "[" in w))
+    if not under:
+        return ", ".join(heads)
+    probe = any(not w.endswith("]") for w in whats)
+    return f"{', '.join(heads)} ({'on the probe and ' if probe else ''}with {', '.join(under)})"
+
 
 #: Readings that decide where an op rounds (documented formulas, not rounding): see :meth:`AuditReport._on_reading`.
 ROUNDING_READINGS = ("the torch_npu emulator",)
@@ -158,7 +176,7 @@ class AuditReport:
         if self.verdict != "differs":
             return self.worst_ratio
         values = [r.ratio for r in self.rows if r.result == "differs" and r.ratio is not None]
-        values += [self.model_ratios.get(c.what.split(" ")[0], float("inf")) for c in self.model_checks if not c.passed]
+        values += [self.model_ratios.get(check_key(c.what), float("inf")) for c in self.model_checks if not c.passed]
         return max(values) if values else None
 
     def summary(self) -> str:
@@ -175,12 +193,12 @@ class AuditReport:
         grouped = _grouped(bad)
         parts = [_finding(r) for r in grouped if not self._on_reading(r) or r.result != "differs"]
         apart = [_finding(r) for r in grouped if self._on_reading(r) and r.result == "differs"]
-        (apart if self.reading_only else parts).extend(f"{c.what} differs" for c in failed)
+        (apart if self.reading_only else parts).extend(_failed(failed, self.model_checks))
         if apart:
             parts.append(f"on {self.reading}'s reading only (not exact arithmetic; a device may differ): "
                          + "; ".join(apart))
         worst_abs = max((c.max_abs for c in self.model_checks), default=0.0)
-        moved = ", ".join(c.what.split(" ")[0] for c in self.model_checks if c.max_abs != 0)
+        moved = ", ".join(check_key(c.what) for c in self.model_checks if c.max_abs != 0)
         if self.unseen and not failed:
             head_note = (f"the whole model's {moved} are not the original's (max abs {worst_abs:.2g}, within its "
                          "rounding error)")
@@ -208,7 +226,7 @@ class AuditReport:
         lines = [(r.path or "<model>", r.cls, _change(r), r.result, _num(r.max_abs), _ratio(r.ratio),
                   r.explanation or r.note or (r.detail if r.change == "process-wide" else "")) for r in rows]
         lines += [(c.path, c.cls, "-", "same" if c.passed and c.max_abs == 0 else ("passes" if c.passed else "differs"),
-                   _num(c.max_abs), _ratio(self.model_ratios.get(c.what.split(" ")[0])), f"{c.what}: {c.note}".strip(": "))
+                   _num(c.max_abs), _ratio(self.model_ratios.get(check_key(c.what))), f"{c.what}: {c.note}".strip(": "))
                   for c in self.model_checks]
         if self.model_problem:
             lines.append(("<model>", self.model, "-", "unchecked", "-", "-", self.model_problem))
@@ -233,6 +251,25 @@ class AuditReport:
             "seconds": self.seconds, "reading": self.reading, "reading_only": self.reading_only,
             "accounted": self.accounted,
         }
+
+
+def _failed(failed: list[Check], checks: list[Check]) -> list[str]:
+    """``logits differs`` for the probe's checks; ``logits, loss differ with left padding`` for a condition's, and
+    where the probe's own checks pass, that they do: the condition is what shows it."""
+    out = [f"{c.what} differs" for c in failed if not c.what.endswith("]")]
+    heads: dict[str, list[str]] = {}
+    for c in failed:
+        if c.what.endswith("]"):
+            heads.setdefault(c.what[c.what.rindex("[") + 1:-1], []).append(c.what.split(" ")[0])
+    under: dict[tuple[str, ...], list[str]] = {}  # conditions that fail the same checks, named together
+    for name, whats in heads.items():
+        under.setdefault(tuple(whats), []).append(name)
+    probe = all(c.passed for c in checks if not c.what.endswith("]"))
+    out += [f"{', '.join(whats)} differ{'s' if len(whats) == 1 else ''} with {', '.join(names)}"
+            for whats, names in under.items()]
+    if under and probe:
+        out.append("the probe (16 tokens, no padding, no -100 label) passes")
+    return out
 
 
 def _finding(r: Row) -> str:

@@ -32,12 +32,14 @@ from torch import nn
 from engine.auditing.adapters import Adapter, resolve
 from engine.auditing.backward import judge_backward
 from engine.auditing.changes import find_changes, identities
+from engine.auditing.conditions import Measured, condition_of, judge_conditions, measure_conditions
+from engine.auditing.conditions import conditions as declared
 from engine.auditing.instance_undo import found_changes_account, locate_instance_changes, undoers_of
 from engine.auditing.judging import judge_change, judge_registry
 from engine.auditing.process_state import ProcessState
 from engine.auditing.put_back import locate_by_putting_back, undoers
 from engine.auditing.recording import Recorded, containers, measure, recording
-from engine.auditing.report import AuditReport
+from engine.auditing.report import AuditReport, check_key
 from engine.auditing.shared_gradients import locate_shared_gradient
 from engine.auditing.written_inputs import locate_written_inputs
 from engine.auditing.whole_model import OriginalRun, judge_patched, measure_original
@@ -61,10 +63,12 @@ class Original:
         self.model, self.batch, self.held, self.seconds = model, batch, held, seconds
         self.whole, self.records, self.functions = whole, records, functions
         self.phases: dict[str, float] = {}
+        self.conditions: list[Measured] = []  # the original under each condition of use (conditions.yaml)
 
 
 @keeps_random_state
-def measure_first(model: nn.Module, batch: dict[str, Any] | None = None, *, offload: Any = "auto") -> Original:
+def measure_first(model: nn.Module, batch: dict[str, Any] | None = None, *, offload: Any = "auto",
+                  conditions: Any = "default") -> Original:
     """Step 1 of an audit (see the module docstring): everything the original computes, before any patch."""
     from engine.scaffolding.capture import model_functions
 
@@ -80,13 +84,20 @@ def measure_first(model: nn.Module, batch: dict[str, Any] | None = None, *, offl
     whole = measure_original(model, batch, held, recording(model, paths, functions, records, held))
     modules_started = time.perf_counter()
     measure(model, functions, records)
+    conditions_started = time.perf_counter()
+    under = measure_conditions(model, held, declared(conditions))
     original = Original(model, batch, held, time.perf_counter() - started, whole, records, functions)
+    original.conditions = under
     original.phases = {"model and its truth": round(modules_started - started, 1),
-                       "modules and their truth": round(time.perf_counter() - modules_started, 1)}
+                       "modules and their truth": round(conditions_started - modules_started, 1)}
+    if under:
+        names = ", ".join(m.condition.name for m in under)
+        original.phases[f"conditions ({names})"] = round(time.perf_counter() - conditions_started, 1)
     return original
 
 
-def audit(model: nn.Module, patch: Patch, *, batch: dict[str, Any] | None = None, offload: Any = "auto") -> AuditReport:
+def audit(model: nn.Module, patch: Patch, *, batch: dict[str, Any] | None = None, offload: Any = "auto",
+          conditions: Any = "default") -> AuditReport:
     """Judge ``patch`` (someone else's) on ``model`` with the verifier; the model and the process are left as they were.
 
     Args:
@@ -97,6 +108,8 @@ def audit(model: nn.Module, patch: Patch, *, batch: dict[str, Any] | None = None
             ``"FILE.py:FUNCTION"``, a named stack (``"liger"``, ``"twinkle"``, ``"llamafactory-v1"``,
             ``"hf-kernels"``), ``"patchset:NAME"`` (ours, judged the same way), or an :class:`Adapter`.
         batch: real inputs, as for :func:`engine.verify` (default: a probe batch of token ids).
+        conditions: the conditions of use judged beside the batch (``engine/_data/conditions.yaml``): ``"default"``,
+            ``"all"``, a list of names, or None for none.
 
     Returns:
         An :class:`AuditReport`: per change (module class swapped, forward replaced, class
@@ -108,16 +121,17 @@ def audit(model: nn.Module, patch: Patch, *, batch: dict[str, Any] | None = None
         >>> report = engine.audit(model, "liger")            # doctest: +SKIP
         >>> print(report)                                      # doctest: +SKIP
     """
-    return audit_many(model, [patch], batch=batch, offload=offload)[0]
+    return audit_many(model, [patch], batch=batch, offload=offload, conditions=conditions)[0]
 
 
 def audit_many(model: nn.Module, patches: Sequence[Patch], *, batch: dict[str, Any] | None = None,
-               offload: Any = "auto", original: Original | None = None) -> list[AuditReport]:
+               offload: Any = "auto", original: Original | None = None,
+               conditions: Any = "default") -> list[AuditReport]:
     """:func:`audit` of several patches against one measurement of the original (measured once, first)."""
     model = unwrap(model)
     model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
     adapters = [resolve(p, model_type) for p in patches]
-    original = original or measure_first(model, batch, offload=offload)
+    original = original or measure_first(model, batch, offload=offload, conditions=conditions)
     return [_judge_one(original, adapter, model_type) for adapter in adapters]
 
 
@@ -184,10 +198,15 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
     except Exception as exc:  # noqa: BLE001  (a patched model that cannot run here is unchecked, never passed)
         report.model_problem = f"the patched model raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return
+    under = judge_conditions(patched, original.conditions, original.held)
+    checks = [*checks, *under]
     report.model_checks = checks
     report.model_ratios = _model_ratios(checks)
-    def rerun() -> list[Any]:  # the same checks again, inside a locator's context
-        return judge_patched(patched, original.batch, original.whole, original.held)
+    moving = {condition_of(c.what) for c in under if not (c.passed and c.max_abs == 0)}
+
+    def rerun() -> list[Any]:  # the same checks again, inside a locator's context (conditions that moved only)
+        again = judge_patched(patched, original.batch, original.whole, original.held)
+        return [*again, *judge_conditions(patched, original.conditions, original.held, moving, under)]
 
     locate_shared_gradient(report.rows, checks, mine, rerun, report.model_ratios.get("grads"))
     locate_written_inputs(report.rows, checks, {c.where: c for c in process}, rerun, report.model_ratios)
@@ -237,7 +256,7 @@ def _model_ratios(checks: Sequence[Any]) -> dict[str, float]:
 
     out = {}
     for c in checks:
-        what = c.what.split(" ")[0]
+        what = check_key(c.what)
         if c.max_abs == 0:
             out[what] = 0.0
             continue

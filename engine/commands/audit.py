@@ -93,7 +93,7 @@ def run_audit(args: argparse.Namespace) -> int:
     except MissingDependency as exc:  # the stack's package (or the checkpoint's reader) is not installed here
         print(f"could not run: {exc}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
-    original = measure_first(model, batch)
+    original = measure_first(model, batch, conditions=None if args.quick else "default")
     reports = audit_many(model, adapters, original=original)
     seconds = round(time.perf_counter() - started, 1)
     if args.json:
@@ -141,6 +141,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gguf", metavar="FILE", help="a .gguf checkpoint instead of a tiny model (the gguf package)")
     p.add_argument("--text", metavar="FILE", help="with a checkpoint: text to run (default: a bundled English text)")
     p.add_argument("--max-tokens", type=int, default=128, help="with a checkpoint: tokens of the text (default 128)")
+    p.add_argument("--quick", action="store_true",
+                   help="the 16-token probe only, without the conditions of use (other lengths, left and right "
+                        "padding, -100 labels: engine/_data/conditions.yaml) that run by default")
     p.add_argument("--detail", action="store_true", help="one row per module (not grouped by class)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_audit)
