@@ -138,3 +138,30 @@ def test_zero_configuration_patches_mistral3_whole_with_the_rope_of_both_modules
     with torch.no_grad():
         assert torch.equal(image_features(model, inputs), image_features(unpatched, inputs))
         assert torch.equal(model(input_ids=ids).logits, unpatched(input_ids=ids).logits)
+
+
+#: Composites whose forward cannot run on token ids alone, and the inputs the probe gives them
+#: (engine.tiny.vision_inputs.query_token_inputs): images, with query tokens at an image token (BLIP-2,
+#: InstructBLIP: a Q-Former instruction too), at a video token (InstructBLIP-Video, frames), where a
+#: position mask says (Kosmos-2), or none (BLIP: cross-attention). pix2struct, pp_formulanet (encoder-decoders
+#: over patches) and pi0 (state and actions) are not among them yet: apply(model) still measures nothing there.
+NEEDS_IMAGES = ["blip", "blip-2", "instructblip", "instructblipvideo", "kosmos-2"]
+
+
+@pytest.mark.parametrize("model_type", NEEDS_IMAGES)
+def test_zero_configuration_patches_a_composite_that_needs_images(model_type: str) -> None:
+    """``engine.apply(model)`` on the composite itself (issue 47: it patched nothing, the probe gave no images):
+    its vision tower is patched, and the whole model on the probe's images and ids is the unpatched one's."""
+    from engine.verification.probes import probe_batch
+
+    model = build_tiny_model(model_type)
+    unpatched = copy.deepcopy(model)
+    report = engine.apply(model)
+    patched = [d for d in report.decisions if d.action == "patch"]
+    assert any("vision" in d.sub_model or "vision" in d.path for d in patched), str(report)
+    batch = probe_batch(model)
+    assert "pixel_values" in batch
+    model.eval(), unpatched.eval()  # dropout off: the two runs draw no masks
+    with torch.no_grad():
+        got, want = model(**batch), unpatched(**batch)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)

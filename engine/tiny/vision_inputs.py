@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["image_features", "tiny_vision_inputs", "vision_only_inputs"]
+__all__ = ["image_features", "query_token_inputs", "tiny_vision_inputs", "vision_only_inputs"]
+
+#: Frames of a video for a Q-Former video model. InstructBLIP-Video's processor gives 4; each frame runs the
+#: same modules, and 4 x 32 query tokens would pass a tiny copy's 128 positions (shrunk by the size rules).
+VIDEO_FRAMES = 1
 
 
 def vision_only_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor] | None:
@@ -115,3 +119,65 @@ def image_features(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.T
     if isinstance(feats, (list, tuple)):
         feats = torch.cat([f.reshape(-1) for f in feats])
     return feats
+
+
+def query_token_inputs(
+    model: nn.Module, ids: torch.Tensor, *, seed: int = 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """``(ids, other inputs)`` for a composite whose forward requires images (BLIP family, Kosmos-2); else None.
+
+    Why: BLIP, BLIP-2, InstructBLIP, InstructBLIP-Video and Kosmos-2 cannot run on token ids alone, so a text
+    probe reached none of their modules and ``engine.apply(model)`` patched nothing (issue 47). Their
+    convention, read off the config and the forward: one random image per sample (a video of
+    :data:`VIDEO_FRAMES` frames where the config names a video token and no image token); where
+    the config has ``num_query_tokens``, the ids prefixed with that many image (video) tokens per image
+    (frame), where the model puts the Q-Former's outputs; random ``qformer_input_ids`` where the forward
+    takes them (InstructBLIP's instruction to its Q-Former). Kosmos-2's ``latent_query_num`` image
+    embeddings go where ``image_embeds_position_mask`` says. A composite of another convention (a tower
+    this module draws no images for, query tokens without a token id to put them at) gets None.
+    """
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    pixels_param = params.get("pixel_values")
+    masked = "image_embeds_position_mask" in params  # Kosmos-2: pixel_values defaults to None, yet is required
+    if pixels_param is None or (pixels_param.default is not inspect.Parameter.empty and not masked):
+        return None
+    batch = ids.shape[0]
+    images = [tiny_vision_inputs(model, seed=seed + i) for i in range(batch)]
+    if any(im is None or set(im) != {"pixel_values"} or im["pixel_values"].dim() != 4 for im in images):
+        return None
+    pixels = torch.cat([im["pixel_values"] for im in images])
+    config = model.config
+    if masked:  # Kosmos-2: latent_query_num image embeddings at the positions its mask marks (here first)
+        latent = int(config.latent_query_num)
+        ids = torch.cat([ids[:, :1].expand(-1, latent), ids], dim=1)
+        mask = torch.zeros_like(ids)
+        mask[:, :latent] = 1
+        return ids, {"pixel_values": pixels.to(ids.device), "image_embeds_position_mask": mask}
+    queries = getattr(config, "num_query_tokens", None)
+    if isinstance(queries, int):
+        image, video = _token_id(config, "image"), _token_id(config, "video")
+        if image is None and video is None:
+            return None
+        frames = 1 if image is not None else VIDEO_FRAMES
+        if image is None:  # (batch, frames, channels, height, width)
+            pixels = pixels.unsqueeze(1).expand(-1, frames, -1, -1, -1).contiguous()
+        token = image if image is not None else video
+        ids = torch.cat([ids.new_full((batch, queries * frames), token), ids], dim=1)
+    inputs = {"pixel_values": pixels.to(ids.device)}
+    if "qformer_input_ids" in params:
+        vocab = int(getattr(getattr(config, "qformer_config", None), "vocab_size", 0) or 0) or 100
+        gen = torch.Generator().manual_seed(seed)
+        qformer_ids = torch.randint(3, max(4, min(vocab, 200)), (batch, 8), generator=gen)
+        inputs["qformer_input_ids"] = qformer_ids.to(ids.device)
+    return ids, inputs
+
+
+def _token_id(config: object, kind: str) -> int | None:
+    """The config's ``image`` or ``video`` token id (``*_token_id`` or ``*_token_index``), if it sets one."""
+    for name in (f"{kind}_token_id", f"{kind}_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

@@ -26,7 +26,8 @@ def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 
 
     For a composite (multimodal) model the ids come from its text config's vocabulary, below
     every special multimodal token id, so the batch is text only (the vision tower is probed
-    separately with pixels, see :func:`_vision_step`).
+    separately with pixels, see :func:`_vision_step`), unless its forward requires images (the
+    BLIP family: :func:`engine.tiny.vision_inputs.query_token_inputs`), which the batch then holds.
     """
     from engine.tiny import vision_only_inputs
 
@@ -42,9 +43,18 @@ def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    images: dict[str, torch.Tensor] = {}
+    if text is not config:  # a composite that cannot run on token ids alone (BLIP-2): its images, query tokens
+        from engine.tiny.vision_inputs import query_token_inputs
+
+        found = query_token_inputs(model, ids, seed=seed)
+        if found is not None:
+            ids, images = found
     if not takes_labels(model):  # a base model (no LM head, e.g. Qwen2VLTextModel): no labels to give
-        return {"input_ids": ids}
-    return {"input_ids": ids, "labels": ids.clone(), **inline_images(model, batch=batch, seed=seed)}
+        return {"input_ids": ids, **images}
+    labels = ids.clone()
+    labels[:, : ids.shape[1] - seq] = -100  # query tokens: the image's place, not text to predict
+    return {"input_ids": ids, "labels": labels, **images, **inline_images(model, batch=batch, seed=seed)}
 
 
 def inline_images(model: nn.Module, *, batch: int, seed: int) -> dict[str, torch.Tensor]:
