@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -326,3 +327,21 @@ def test_progress_counts_every_module_and_the_whole_model() -> None:
     assert [s[0] for s in seen] == list(range(1, len(patched) + 2)) and {s[1] for s in seen} == {len(patched) + 1}
     assert {s[2] for s in seen[:-1]} == patched and seen[-1][2] == "the whole model"
     assert report.seconds > 0 and report.to_dict()["seconds"] == report.seconds
+
+
+def test_a_wrong_declaration_that_stops_the_patched_bf16_model_is_a_failure_not_a_crash() -> None:
+    """``scale: one_plus_weight`` on a bf16 Qwen3 returns fp32 from the norm, and the next Linear refuses it: the
+    apply(verify=True) says the declaration failed and the model could not run as a result, and reverts."""
+    import yaml
+
+    model = build_tiny_model("qwen3", dtype=torch.bfloat16)
+    root = Path(__file__).resolve().parent.parent
+    data = yaml.safe_load((root / "patchsets" / "qwen3.yaml").read_text(encoding="utf-8")
+                          .replace("    scale: weight\n", "    scale: one_plus_weight\n", 1))
+    data["name"] = "wrong_scale"
+    with pytest.raises(engine.VerificationFailed) as info:
+        engine.apply(model, data, verify=True, unverified="trust")
+    text = str(info.value)
+    assert "scale: weight fits" in text and "could not run" in text and "as a result of the failure(s) above" in text
+    assert "never by the patched one" not in text  # the stopped run is not blamed on the rope patch
+    assert not engine.is_patched(model)

@@ -19,7 +19,7 @@ from engine.verification.modules import verify_function, verify_module
 from engine.verification.probes import capture_inputs, low_precision_dtype, probe_batch, recording, takes_labels
 from engine.verification.progress import Progress, ProgressOption
 from engine.verification.random_state import keeps_random_state
-from engine.verification.results import Check, VerifyReport, failure_message
+from engine.verification.results import MODEL, Check, VerifyReport, failure_message
 
 __all__ = ["sample_modules", "verify"]
 
@@ -149,10 +149,22 @@ def verify(
 
         alongside = Alongside(during_original=lambda: recording(model, checked, captured, held),
                               after_original=check_captured, during_patched=during_patched)
-        model_checks = compare_models(model, batch, offload=held, alongside=alongside)
+        crashed = False
+        try:
+            model_checks = compare_models(model, batch, offload=held, alongside=alongside)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            crashed = True
+            # a module already found computing something else (another dtype, another shape) can make the patched
+            # model fail to run at all: that is the same failure's consequence, said as such, not a raw traceback
+            check_captured()
+            if not any(not c.passed for checks in per_path.values() for c in checks) or _out_of_memory(exc):
+                raise
+            model_checks = [Check(MODEL + " logits", type(unwrap(model)).__name__, "-", "logits", "-", float("inf"),
+                                  float("inf"), False, f"the patched model could not run ({type(exc).__name__}: "
+                                  f"{str(exc)[:300]}), as a result of the failure(s) above")]
         check_captured()
         shown.step("the whole model")
-        for d in by_router:
+        for d in by_router if not crashed else ():  # a patched run that stopped early called what it reached
             if d.path in per_path and d.path not in called:
                 per_path[d.path] = [Check(d.path, "function", d.op, "called", "-", 0.0, 0.0, False,
                                           _NOT_CALLED_PATCHED, d.kernel or "-")]
@@ -277,3 +289,8 @@ _NOT_CALLED = (
     "never called during the verification forward, so this patch changes nothing for this model: "
     "remove it, or check that the config exercises it"
 )
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Out of memory is never a verdict: it propagates as it is."""
+    return "out of memory" in str(exc).lower()
