@@ -248,9 +248,9 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
         row.measured = None if row.patchsets else measured.get(row.model_type)
     text = render_markdown(rows)
     if args.out:
-        from pathlib import Path
+        from engine.commands.coverage_testers import write_page  # keeps the second column's section (its own command)
 
-        Path(args.out).write_text(text)
+        write_page(text, args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
