@@ -36,6 +36,15 @@ def tiny_for(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, **
     return build_tiny_model(model_type, config, dtype=dtype, seed=seed, random_buffers=tiny.random_buffers if tiny else None)
 
 
+def own_verdict_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty verdict cache of the calling test's own, and no ``unverified`` setting from the environment."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("PATCH_ENGINE_CACHE_DIR", str(folder))
+    for name in ("PATCH_ENGINE_UNVERIFIED", "PATCH_ENGINE_UNVERIFIED_RELEASE"):
+        monkeypatch.delenv(name, raising=False)
+    return folder
+
+
 @pytest.fixture
 def qwen3() -> torch.nn.Module:
     return tiny_for("qwen3")

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import tiny_for
+from conftest import own_verdict_cache, tiny_for
 from torch import nn
 
 import engine
@@ -39,11 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("PATCH_ENGINE_CACHE_DIR", str(folder))
-    for name in ("PATCH_ENGINE_UNVERIFIED", "PATCH_ENGINE_UNVERIFIED_RELEASE"):
-        monkeypatch.delenv(name, raising=False)
-    return folder
+    """An empty verdict cache of this test's own, and no setting from the environment."""
+    return own_verdict_cache(tmp_path, monkeypatch)
 
 
 def _logits(model: nn.Module) -> torch.Tensor:
@@ -72,11 +69,12 @@ def test_classes_with_no_source_file_do_not_collide() -> None:
     made = []
     for op in ("+", "-"):
         namespace: dict[str, object] = {"nn": nn}
-        exec(textwrap.dedent(f"""
+        source = textwrap.dedent(f"""
             class Norm(nn.Module):
                 def forward(self, x, y):
                     return x {op} y
-        """), namespace)
+        """)
+        exec(source, namespace)  # noqa: S102  (a class with no source file, as a notebook or python -c makes)
         made.append(namespace["Norm"])
     assert code_identity(made[0]) != code_identity(made[1])
 
@@ -92,8 +90,9 @@ def test_a_closure_value_and_a_default_are_part_of_the_identity() -> None:
 
 def test_the_stock_identity_is_the_source_the_manifest_records_not_the_bytecode() -> None:
     """Stock transformers code is identified by its source (a Python upgrade does not change it)."""
-    from engine.foundation.code_identity import identity_pieces
     from transformers.models.qwen3 import modeling_qwen3 as m
+
+    from engine.foundation.code_identity import identity_pieces
 
     pieces = identity_pieces(m.Qwen3MLP)
     functions = {k: v for k, v in pieces.items() if k.startswith("def ")}
@@ -108,7 +107,7 @@ def _rebound(cls: type, factor: float) -> Iterator[None]:
     """``cls.forward`` replaced at the class level, as a notebook or another stack's class patch does."""
     original = cls.forward
 
-    def forward(self, hidden_states):  # noqa: ANN001, ANN202
+    def forward(self, hidden_states):
         return original(self, hidden_states) * factor
 
     cls.forward = forward
@@ -136,10 +135,9 @@ def test_a_rebound_norm_under_a_bundled_type_is_refused_by_name() -> None:
         the_plan = engine.plan(model, "olmo2")
         assert the_plan.verification.kind == "verify"
         assert "Olmo2RMSNorm" in str(the_plan.verification) and "not the code CI verified" in str(the_plan.verification)
-        with pytest.raises(SelfVerificationFailed, match="Olmo2RMSNorm"):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                engine.apply(model, "olmo2")
+        with pytest.raises(SelfVerificationFailed, match="Olmo2RMSNorm"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.apply(model, "olmo2")
         assert not engine.is_patched(model)
         assert torch.equal(_logits(model), before)
 
@@ -200,10 +198,9 @@ def test_a_same_named_class_of_the_users_is_not_vouched_for_by_name(tmp_path: Pa
     copy = tmp_path / "my_qwen3.yaml"
     copy.write_text((ROOT / "patchsets" / "qwen3.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     for named in ("qwen3", str(copy)):
-        with pytest.raises(SelfVerificationFailed, match="Qwen3RMSNorm"):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                engine.apply(model, named)
+        with pytest.raises(SelfVerificationFailed, match="Qwen3RMSNorm"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.apply(model, named)
         assert not engine.is_patched(model)
         assert torch.equal(_logits(model), before)
 
@@ -248,6 +245,7 @@ print(json.dumps(out))
 def _run(tmp_path: Path, *args: str, path: str = "") -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT)) if p)}
     done = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          check=False,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

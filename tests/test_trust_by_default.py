@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import tiny_for
+from conftest import own_verdict_cache, tiny_for
 from snapshots import assert_same, snapshot
 
 import engine
@@ -38,11 +38,7 @@ NORM_LINE = next(i for i, line in enumerate(QWEN3.splitlines(), 1) if "target: Q
 @pytest.fixture(autouse=True)
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty verdict cache of this test's own, and no setting from the environment."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("PATCH_ENGINE_CACHE_DIR", str(folder))
-    for name in ("PATCH_ENGINE_UNVERIFIED", "PATCH_ENGINE_UNVERIFIED_RELEASE"):
-        monkeypatch.delenv(name, raising=False)
-    return folder
+    return own_verdict_cache(tmp_path, monkeypatch)
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ from engine.errors import PatchError
 from engine.loader import load_patchset
 from engine.releases import VerdictStore, cache_dir
 from engine.releases.key import engine_fingerprint, library_versions
-from engine.schema import Patchset
 from engine.scaffolding import scaffold
+from engine.schema import Patchset
 from engine.tiny.construction import callers_random_state
 from engine.zeroconfig.tiny_copy import code_identity, tiny_copy
 
