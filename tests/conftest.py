@@ -16,6 +16,10 @@ import torch
 # compiled (inductor) kernels do not (they reduce in another order); compiling would also cost CI
 # minutes. So `auto` picks torch here; tests/test_compiled.py re-enables compiled kernels.
 os.environ.setdefault("PATCH_ENGINE_COMPILE", "0")
+# The audit's conditions of use (engine/_data/conditions.yaml) rerun the model under each condition for every
+# patch judged: the audit tests that judge other things run the probe alone, and tests/test_audit_conditions.py
+# names the conditions it judges.
+os.environ.setdefault("PATCH_ENGINE_AUDIT_CONDITIONS", "none")
 # Self-verification verdicts (engine/releases) go to a cache of this session's own, never the user's
 # ~/.cache: a test must not read a verdict another run left, nor leave one behind.
 os.environ.setdefault("PATCH_ENGINE_CACHE_DIR", tempfile.mkdtemp(prefix="patch-engine-test-cache-"))

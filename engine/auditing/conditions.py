@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -61,9 +62,19 @@ def _table() -> tuple[Condition, ...]:
     return tuple(out)
 
 
+#: What ``"default"`` means where set: ``none``, ``all``, or comma-separated names. The suite sets ``none`` (its
+#: audit tests judge other things, and each condition costs a run of the model per patch); the conditions' own
+#: tests name theirs. Unset: the conditions marked default in conditions.yaml.
+DEFAULT_ENV_VAR = "PATCH_ENGINE_AUDIT_CONDITIONS"
+
+
 def conditions(names: Iterable[str] | str | None = "default") -> list[Condition]:
-    """The declared conditions: ``"default"`` (those marked so), ``"all"``, None or ``()`` (none), or names."""
+    """The declared conditions: ``"default"`` (those marked so, or ``$PATCH_ENGINE_AUDIT_CONDITIONS``), ``"all"``,
+    None or ``()`` (none), or names."""
     table = _table()
+    if names == "default" and os.environ.get(DEFAULT_ENV_VAR, "").strip():
+        chosen = os.environ[DEFAULT_ENV_VAR].strip()
+        names = None if chosen == "none" else "all" if chosen == "all" else [n.strip() for n in chosen.split(",")]
     if names is None:
         return []
     if names in ("default", "all"):
