@@ -131,11 +131,16 @@ def test_verify_with_a_patchset_copies_no_more_than_one_module(qwen3, monkeypatc
     """The model is patched in place, never deep-copied; only one module at a time is (for its bf16 check)."""
     copied: list[object] = []
     real = copy.deepcopy
+    depth = [0]
 
     def spy(value, memo=None):
-        if memo is None:  # the outermost call: what verification asked to copy
+        if depth[0] == 0:  # the outermost call (a cast copy passes a memo of its cast tensors): what was copied
             copied.append(value)
-        return real(value, memo)
+        depth[0] += 1
+        try:
+            return real(value, memo)
+        finally:
+            depth[0] -= 1
 
     monkeypatch.setattr(copy, "deepcopy", spy)
     params = {id(p) for p in qwen3.parameters()}

@@ -121,9 +121,9 @@ class MlpOp(ModuleOp):
                 children = ", ".join(name for name, _ in module.named_children()) or "none"
                 raise SignatureMismatch(f"{cls} has no submodule {attr!r}; its submodules: {children}")
         up, down = getattr(module, patch.up_proj), getattr(module, patch.down_proj)
-        if isinstance(up, nn.Linear) and isinstance(down, nn.Linear) and (
-            up.out_features != down.in_features or up.in_features != down.out_features
-        ):
+        # down(act(up(x))) needs the two to chain, nothing more: a projector maps one width to another (LLaVA's
+        # vision 32 -> text 64), measured on a tiny copy where both widths happened to agree
+        if isinstance(up, nn.Linear) and isinstance(down, nn.Linear) and up.out_features != down.in_features:
             raise SignatureMismatch(
                 f"{cls}.{patch.up_proj} ({up.in_features} -> {up.out_features}) and {patch.down_proj} "
                 f"({down.in_features} -> {down.out_features}) do not chain as up then down"

@@ -226,7 +226,7 @@ def _check_one(d: Any, module: nn.Module, instances: int, training: bool, cache:
     found = _CACHE.get(key) if cache else None
     cached = found is not None
     if found is None:
-        inputs = _inputs(d.op, width, module)
+        inputs = _inputs(d.op, width, module, _trailing(module, getattr(d.patch, "weight_attr", None) or "weight"))
         on = {LENGTHS.index(n) for n in BACKWARD_LENGTHS} if backward else set()
         try:
             per_length = verify_module_inputs(d, module, inputs, dtypes, in_place=True, at_scale=False, lean=True,
@@ -345,7 +345,15 @@ def _width(module: nn.Module, model: nn.Module, weight_attr: str = "weight") -> 
     return int(getattr(text, "hidden_size", 0) or 0)
 
 
-def _inputs(op: str, width: int, module: nn.Module) -> list[tuple[tuple[torch.Tensor, ...], dict[str, Any]]]:
+def _trailing(module: nn.Module, weight_attr: str = "weight") -> tuple[int, ...] | None:
+    """A weight of more than one dimension (Cohere's per-head LayerNorm, ``(heads, head_dim)``): the input's last
+    dimensions are its shape; ``None`` for the usual 1-D weight (the input ends in its width)."""
+    weight = module._parameters.get(weight_attr)
+    return tuple(int(n) for n in weight.shape) if weight is not None and weight.dim() > 1 else None
+
+
+def _inputs(op: str, width: int, module: nn.Module,
+            trailing: tuple[int, ...] | None = None) -> list[tuple[tuple[torch.Tensor, ...], dict[str, Any]]]:
     """Hidden states ``(1, L, width)`` for each of :data:`LENGTHS` (and a gate for a gated norm), seeded.
 
     Drawn from a generator of their own, so no random state of the caller moves; in fp32 on the
@@ -355,9 +363,10 @@ def _inputs(op: str, width: int, module: nn.Module) -> list[tuple[tuple[torch.Te
     gen = torch.Generator().manual_seed(0)
     sets = []
     for length in LENGTHS:
-        x = torch.randn(1, length, width, generator=gen).to(device)
+        shape = (1, length, *(trailing or (width,)))
+        x = torch.randn(*shape, generator=gen).to(device)
         args: tuple[torch.Tensor, ...] = (x,)
         if op == "gated_rms_norm":
-            args = (x, torch.randn(1, length, width, generator=gen).to(device))
+            args = (x, torch.randn(*shape, generator=gen).to(device))
         sets.append((args, {}))
     return sets
