@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.foundation.code_identity import code_identity, own_class
 
-__all__ = ["code_key", "patched_code", "unverified_code"]
+__all__ = ["code_key", "code_not_verified", "patched_code", "shown", "unverified_code"]
 
 
 def code_key(decision: Any, module: nn.Module | None) -> tuple[str, Any]:
@@ -56,3 +56,28 @@ def unverified_code(live: Mapping[str, str], recorded: Mapping[str, str] | None)
     if recorded is None:
         return sorted(live)
     return sorted(key for key, identity in live.items() if recorded.get(key) != identity)
+
+
+def code_not_verified(model: nn.Module, plan: Any) -> list[str] | None:
+    """What ``plan`` patches on ``model`` whose live code is not the code CI verified its content on, here.
+
+    ``None`` where CI did not verify this content on the installed release at all (the release
+    gate's business); ``[]`` where every class and function runs the code CI ran. The fused head
+    is left out: it is a switch of the engine, not content, and its plan reads the live forward's
+    code itself (:mod:`engine.planning.fused_head` refuses a forward it does not know).
+    """
+    from engine.planning.fused_head import OP as FUSED_HEAD
+    from engine.releases.manifest import content_sha256, installed_column, verified_code, verified_columns
+
+    sha = content_sha256(plan.patchset)
+    here = installed_column()
+    if here not in verified_columns(sha)[1]:
+        return None
+    family = [d for d in plan.patched if d.op != FUSED_HEAD]
+    return unverified_code(patched_code(model, family), verified_code(sha, here))
+
+
+def shown(keys: list[str], limit: int = 4) -> str:
+    """``Qwen3RMSNorm, apply_rotary_pos_emb and 3 more``: code keys by their names, for a message."""
+    names = ", ".join(key.split(" ", 1)[-1] for key in keys[:limit])
+    return names + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -26,9 +26,9 @@ from torch import nn
 from engine.foundation.release_policy import Policy
 from engine.kernels.triton_interpret import is_interpreting
 from engine.planning.decisions import Plan
-from engine.releases.code import patched_code, unverified_code
+from engine.releases.code import code_not_verified, patched_code, shown
 from engine.releases.key import device_kind, key_material, key_of, model_code
-from engine.releases.manifest import column_text, content_sha256, installed_column, verified_code, verified_columns
+from engine.releases.manifest import column_text, content_sha256, installed_column, verified_columns
 from engine.releases.self_verify import kernels_of
 from engine.releases.verdict import ReleaseVerdict
 from engine.runtime.release import is_bundled, verify_command
@@ -109,11 +109,6 @@ def key_for(model: nn.Module, plan: Plan) -> tuple[str, dict[str, Any]]:
     return key_of(material), material
 
 
-def _shown(keys: list[str], limit: int = 4) -> str:
-    names = ", ".join(key.split(" ", 1)[-1] for key in keys[:limit])
-    return names + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
 def not_known_verified(plan: Plan, model: nn.Module | None = None) -> tuple[str | None, str]:
     """``(why it is not known verified, "")``, or ``(None, what CI verified)`` for bundled content verified here.
 
@@ -125,14 +120,11 @@ def not_known_verified(plan: Plan, model: nn.Module | None = None) -> tuple[str 
     name, columns = verified_columns(sha)
     here = installed_column()
     if name is not None and here in columns:
-        # the fused head is a switch of the engine, not content: its plan reads the live forward's code itself
-        # (engine.planning.fused_head refuses a forward it does not know), so it is not compared with the manifest
-        family = [d for d in plan.patched if d.op != "fused_linear_cross_entropy"]
-        differs = [] if model is None else unverified_code(patched_code(model, family), verified_code(sha, here))
+        differs = (code_not_verified(model, plan) if model is not None else None) or []
         if not differs:
             return None, (f"bundled content {name!r} as CI verified it on transformers {column_text(here)}, on the "
                           "code this model runs (engine/_data/verified_content.json)")
-        return (f"bundled content {name!r}, but {_shown(differs)} on this model is not the code CI verified it on "
+        return (f"bundled content {name!r}, but {shown(differs)} on this model is not the code CI verified it on "
                 f"(transformers {column_text(here)}): changed in Python, an edited install, or a class of another "
                 "module"), ""
     if plan.release is not None:

@@ -184,23 +184,13 @@ def _other_code(model: nn.Module, bundled: str, **plan_kwargs: Any) -> str:
     else, and with no patchset named the user asked for what fits the code they run. Where CI did
     not run this release at all, the bundled file goes through the release gate as before.
     """
-    from engine.releases.code import patched_code, unverified_code
-    from engine.releases.manifest import content_sha256, installed_column, verified_code, verified_columns
+    from engine.releases.code import code_not_verified, shown
 
-    the_plan = plan(model, bundled, **plan_kwargs)
-    sha = content_sha256(the_plan.patchset)
-    here = installed_column()
-    if here not in verified_columns(sha)[1]:
+    differs = code_not_verified(model, plan(model, bundled, **plan_kwargs))
+    if not differs:  # the same code, or a release CI did not run (the release gate verifies it then)
         return ""
-    # the fused head (an engine switch any patchset takes) goes through the release gate on its own; the family's
-    # patches decide whether the bundled file fits the code
-    patched = [d for d in the_plan.patched if d.op != "fused_linear_cross_entropy"]
-    differs = unverified_code(patched_code(model, patched), verified_code(sha, here))
-    if not differs:
-        return ""
-    names = ", ".join(key.split(" ", 1)[-1] for key in differs[:4]) + (" ..." if len(differs) > 4 else "")
-    return (f"the bundled patchset {bundled!r} was verified by CI on other code than this model runs ({names}: changed "
-            "in Python, an edited install, or a class of another module), so this model was measured instead")
+    return (f"the bundled patchset {bundled!r} was verified by CI on other code than this model runs ({shown(differs)}: "
+            "changed in Python, an edited install, or a class of another module), so this model was measured instead")
 
 
 def _safe(name: str) -> str:
