@@ -89,7 +89,8 @@ def _apply(model: torch.nn.Module, patchset: Any, **kwargs: Any) -> tuple[Any, l
     passed self-verification (a pass is news, not a warning: asserted here, never both)."""
     said, log = _Said(), logging.getLogger("engine.releases")
     log.addHandler(said)
-    level, log.level = log.level, logging.INFO
+    level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not .level =: it clears the logger's cached isEnabledFor
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
