@@ -40,9 +40,11 @@ DEPS_DIR = WORK / "deps"
 #: What the test tree imports beside the project's [dev] extras (its README; httpx: tests/utils), and scipy,
 #: which inkling's modeling code imports in its forward.
 DEPS = ("parameterized", "timeout-decorator", "httpx", "httpcore", "scipy")
-#: Packages a test file imports at its top for integration tests only (loading audio files), stubbed where absent:
-#: librosa (qwen2_5_omni, qwen3_omni_moe), whose own dependencies (numba, soundfile) are not the testers' business.
-STUB_PACKAGES = ("librosa",)
+#: Packages a test file imports at its top for integration tests only, stubbed where absent: librosa (qwen2_5_omni,
+#: qwen3_omni_moe: loading audio files), whose own dependencies (numba, soundfile) are not the testers' business, and
+#: datasets, which every modeling test file reaches through the pipeline tests' mixin (tests/pipelines imports it to
+#: load sample data): the README's install has no datasets (only trl pulls it in), and there every tester failed.
+STUB_PACKAGES = ("librosa", "datasets")
 #: transformers 5.15.1's ``testing_utils._TEXT_MODEL_TESTER_DEFAULTS`` (removed by a later release;
 #: the 5.15.1 test tree's CausalLMModelTester and MultiModalModelTester read their sizes from it).
 TEXT_MODEL_TESTER_DEFAULTS = {
