@@ -22,14 +22,14 @@ from typing import Any
 import yaml
 from torch import nn
 
-from engine.errors import PatchError
+from engine.errors import InvalidArgument, PatchError
 from engine.loader import load_patchset
 from engine.releases import VerdictStore, cache_dir
 from engine.releases.key import engine_fingerprint, library_versions
 from engine.scaffolding import scaffold
 from engine.schema import Patchset
 from engine.tiny.construction import callers_random_state
-from engine.zeroconfig.tiny_copy import code_identity, tiny_copy
+from engine.zeroconfig.tiny_copy import NO_PROBE_INPUTS, code_identity, tiny_copy
 
 __all__ = ["Measured", "measure", "measurement_material"]
 
@@ -125,8 +125,10 @@ def measure(model: nn.Module, identity: dict[str, Any] | None = None) -> Measure
                 tiny = tiny_copy(model)
                 text = scaffold(tiny).to_yaml()
         except Exception as exc:  # noqa: BLE001  (whatever stops the measurement is reported, not raised)
-            return Measured(None, "", problem=f"measuring a tiny copy of {type(model).__name__} failed: "
-                                              f"{type(exc).__name__}: {str(exc).strip()[:500]}",
+            what = (f"{type(model).__name__} cannot be measured on a tiny copy: "  # the model's inputs, in plain words
+                    if isinstance(exc, InvalidArgument) and NO_PROBE_INPUTS in str(exc)
+                    else f"measuring a tiny copy of {type(model).__name__} failed: {type(exc).__name__}: ")
+            return Measured(None, "", problem=f"{what}{str(exc).strip()[:500]}",
                             seconds=round(time.perf_counter() - start, 3))
         data = _data(text, model_type)
         found = _from_text(text, data)

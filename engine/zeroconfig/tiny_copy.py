@@ -112,23 +112,149 @@ def tiny_copy(model: nn.Module, *, seed: int = 0) -> nn.Module:
     """``type(model)`` built from :func:`shrunk_config` of its config, fp32, perturbed, in training mode, with the
     user's own module classes where they replaced transformers' (:func:`engine.tiny.adopt.adopt_classes`).
 
-    Raises :class:`InvalidArgument` where the classes cannot build a small model (the caller
-    reports it: nothing is measured then), naming the sizes it tried.
+    The copy must run where the scaffold and the verifier run it: one forward of the engine's probe
+    batch (:func:`engine.verification.probes.probe_batch`) and its vision step (:func:`_runs_on_probes`).
+    Its sizes, the first of these that builds and runs:
+
+    1. the size rules (:func:`engine.tiny.config.tiny_overrides`) over the user's values;
+    2. the type's own tiny sizes over those (:func:`_with_type_sizes`: parts that must agree, a
+       probe-sized layout such as MusicGen's one codebook);
+    3. the user's own sizes, for a model already as small as a tiny copy (at most
+       :data:`OWN_SIZES_LIMIT` parameters: a test's config, a toy). Why: the rules set sizes for a
+       checkpoint's config; on a config that is already tiny they *grow* some sizes past others that
+       must agree with them (a vision tower's width 48 -> 64 beside its 12 heads, 2 -> 4 KV heads
+       beside a per-layer list of 2 query heads, a hidden size 32 -> 64 beside axial position factors
+       summing to 32, 16 cache slots cut to 2 beside 2 layers per stack run 8 times).
+
+    Raises :class:`InvalidArgument` where none does (the caller reports it: nothing is measured
+    then): where a copy built, what stopped the one that got furthest on the probe inputs and at which
+    sizes (its words hold :data:`NO_PROBE_INPUTS`: a forward that needs inputs the engine does not
+    make, a loss that takes other labels), else the first candidate's error.
     """
     cls = type(model)
     config = getattr(model, "config", None)
     if config is None or not hasattr(cls, "_from_config"):
         raise InvalidArgument(f"{cls.__name__} is no transformers PreTrainedModel (no config, no _from_config): "
                               "nothing to build a tiny copy from; name a patchset")
-    try:
-        tiny = _built(cls, shrunk_config(config), seed)
-    except Exception as first:  # noqa: BLE001  (sizes that must agree across parts: the type's own tiny sizes)
+    tried: list[tuple[str, Exception]] = []
+    for what, make in _candidates(model, config):
         try:
-            tiny = _built(cls, shrunk_config(config, by_type=True), seed)
-        except Exception:  # noqa: BLE001
-            raise first from None
-    adopt_classes(tiny, model)  # the user's own module classes where they replaced transformers' (same layout)
-    return tiny
+            small = make()
+        except InvalidArgument:  # not transformers' config class of its type: no type sizes to try
+            continue
+        try:
+            tiny = _built(cls, small, seed)
+            adopt_classes(tiny, model)  # the user's own module classes where they replaced transformers' (same layout)
+            _runs_on_probes(tiny)
+        except Exception as exc:  # noqa: BLE001  (sizes that do not build or run: the next candidate)
+            tried.append((what, exc))
+            continue
+        return tiny
+    raise _no_copy(cls, tried) from None
+
+
+#: A model of at most this many parameters is copied at its own sizes where the size rules' copy does not run.
+OWN_SIZES_LIMIT = 5_000_000
+#: Every :func:`tiny_copy` error where the copy builds but does not run as the scaffold and the verifier run it says this.
+NO_PROBE_INPUTS = "the engine's probe"
+#: Parameters of a forward the probe batch can hold (token ids, labels, a composite's images and masks).
+_PROBED = {"input_ids", "labels", "pixel_values", "attention_mask", "image_embeds_position_mask", "qformer_input_ids"}
+
+
+def _candidates(model: nn.Module, config: Any) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = [("the size rules", lambda: shrunk_config(config)),
+                                    ("the type's tiny sizes", lambda: shrunk_config(config, by_type=True))]
+    if sum(p.numel() for p in model.parameters()) <= OWN_SIZES_LIMIT:
+        found.append(("its own sizes", lambda: _own_config(config)))
+    return found
+
+
+def _own_config(config: Any) -> Any:
+    """A copy of ``config`` as it is, eager attention (as :func:`shrunk_config`'s)."""
+    import copy
+
+    own = copy.deepcopy(config)
+    for part in [own, *(getattr(own, n, None) for n in getattr(type(own), "sub_configs", None) or {})]:
+        if part is not None and hasattr(part, "_attn_implementation"):
+            part._attn_implementation = "eager"
+    return own
+
+
+class _NotRunning(Exception):
+    """The tiny copy's failure on the probe inputs: how far it got (:data:`_STAGES`), why, and what it was given."""
+
+    def __init__(self, stage: int, error: Exception | None, inputs: str = ""):
+        why = f": {type(error).__name__}: {' '.join(str(error).split())}" if error is not None else ""
+        given = f" ({inputs})" if inputs and stage > 0 else ""
+        super().__init__(f"{_STAGES[stage]}{given}{why}")
+        self.stage, self.error = stage, error
+
+
+#: What failed, by how far the copy got (a later stage: a copy nearer to running).
+_STAGES = (
+    "the engine's probe inputs cannot be made from its config",
+    "its forward fails on the engine's probe inputs",
+    "its loss does not take the engine's probe labels",
+    "it returns neither a loss nor hidden states on the engine's probe inputs, so no training step can be compared",
+    "its vision tower fails on the engine's probe images",
+)
+
+
+def _runs_on_probes(tiny: nn.Module) -> None:
+    """Raise :class:`_NotRunning` where the tiny copy fails as the scaffold and the verifier run it, else nothing.
+
+    The probe batch with its labels (the verifier's whole-model check), whose output must hold a loss
+    or the hidden states the verifier's surrogate loss reads (``engine.verification.models._run``), then
+    the vision step, which may fail only as the verifier's ``_vision_step`` lets it (a ``RuntimeError``
+    stops the verification).
+    """
+    import inspect
+
+    from engine.runtime.hub_functions import torch_path
+    from engine.tiny.vision_inputs import image_features, tiny_vision_inputs
+    from engine.verification.probes import probe_batch
+
+    params = inspect.signature(tiny.forward).parameters.values()
+    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in _PROBED
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), torch_path(tiny):
+        try:
+            batch = probe_batch(tiny)
+        except Exception as exc:  # noqa: BLE001  (a config the probe reads no vocabulary from)
+            if required:  # the plain reason: what its forward needs that no probe makes
+                raise _NotRunning(0, None) from InvalidArgument(
+                    f"its forward requires {', '.join(required)} (no default), which the engine's probes do not make")
+            raise _NotRunning(0, exc) from exc
+        inputs = ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if isinstance(v, torch.Tensor))
+        try:
+            out = tiny(**batch)
+        except Exception as exc:  # noqa: BLE001  (the loss, or the forward itself: without labels says which)
+            try:
+                tiny(**{k: v for k, v in batch.items() if k != "labels"})
+            except Exception:  # noqa: BLE001
+                raise _NotRunning(1, exc, inputs) from exc
+            raise _NotRunning(2, exc, inputs) from exc
+        if getattr(out, "loss", None) is None and not (isinstance(out, dict) and "last_hidden_state" in out):
+            raise _NotRunning(3, None, inputs)
+        pixels = tiny_vision_inputs(tiny)
+        try:
+            if pixels is not None:
+                image_features(tiny, pixels)
+        except (TypeError, ValueError, AttributeError, NotImplementedError):
+            pass
+        except Exception as exc:  # noqa: BLE001
+            raise _NotRunning(4, exc, ", ".join(f"{k} {tuple(v.shape)}" for k, v in pixels.items())) from exc
+
+
+def _no_copy(cls: type, tried: list[tuple[str, Exception]]) -> Exception:
+    """The error of :func:`tiny_copy` where no candidate builds and runs: the run that got furthest, else the first."""
+    running = [(exc.stage, what == "its own sizes", what, exc) for what, exc in tried if isinstance(exc, _NotRunning)]
+    if running:
+        stage, own, what, exc = max(running, key=lambda r: r[:2])
+        required = exc.__cause__ if exc.error is None and isinstance(exc.__cause__, InvalidArgument) else None
+        at = "at its own sizes" if own else f"at {what}"
+        return InvalidArgument(f"{required or exc} ({at})")
+    return tried[0][1] if tried else InvalidArgument(f"no sizes to build a tiny copy of {cls.__name__} with")
 
 
 def _built(cls: type, small: Any, seed: int) -> nn.Module:
