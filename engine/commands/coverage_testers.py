@@ -215,6 +215,14 @@ def _measurement_failed(entry: dict[str, Any]) -> bool:
     return reason.startswith(("measuring a tiny copy", "the verification on a tiny copy could not run"))
 
 
+def _not_probed(entry: dict[str, Any]) -> bool:
+    """Nothing patched because the model does not run on the inputs the engine probes with (its reason says which)."""
+    from engine.zeroconfig.tiny_copy import NO_PROBE_INPUTS
+
+    reason = entry.get("reason", "")
+    return "cannot be measured on a tiny copy: " in reason and NO_PROBE_INPUTS in reason
+
+
 def _cell(text: str, limit: int = 260) -> str:
     text = " ".join(str(text).replace("|", "/").split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -240,6 +248,7 @@ def render_section(data: dict[str, Any]) -> str:
     built = n - counts["tester does not build"]
     no_file = sum(1 for e in types.values() if e.get("reason", "").startswith("no test file"))
     failed = sum(1 for e in types.values() if e["result"] == "nothing patched" and _measurement_failed(e))
+    unprobed = sum(1 for e in types.values() if e["result"] == "nothing patched" and _not_probed(e))
     share = f" ({100 * counts['patched exactly'] / built:.0f}% of those that build)" if built else ""
     s = data.get("sweep", {})
     timing = (f"The last sweep measured {s.get('types_measured')} types in {s.get('seconds', 0) / 60:.0f} min with "
@@ -265,8 +274,10 @@ def render_section(data: dict[str, Any]) -> str:
         (f"- **{counts['tester does not build']}** testers do not build ({no_file} types have no test file in the "
          "5.15.1 tree; the others say why)."),
         (f"- Of the {counts['nothing patched']} nothing patched, {failed} are the engine's own tiny copy of the model "
-         f"failing (its measurement or its verification raised: engine bugs, each reason below) and "
-         f"{counts['nothing patched'] - failed} have no module an op computes exactly."),
+         f"failing (its measurement or its verification raised: engine bugs, each reason below), {unprobed} do not "
+         "run on the inputs the engine probes with (token ids of (2, 16) with their labels, and images where it "
+         "draws them: each says what its forward needs instead) and "
+         f"{counts['nothing patched'] - failed - unprobed} have no module an op computes exactly."),
     ]
     lines += [f"- {timing}"] if timing else []
     lines += ["", "|model_type|class tested|result|patched ops|checks, or why not|", "|---|---|---|---|---|"]
