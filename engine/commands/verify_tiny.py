@@ -45,6 +45,7 @@ def _one(ps: Any, model_type: str, args: argparse.Namespace, device: Any) -> tup
 
 def verify_every_type(ps: Any, args: argparse.Namespace, device: Any) -> bool:
     """Verify ``ps`` on each of its model types (or ``--model-type``), print each; whether every one passed."""
+    from engine.commands.verify_table import report_text
     from engine.planning.report import from_files
 
     types = [args.model_type] if args.model_type else list(dict.fromkeys(ps.model_types))
@@ -59,7 +60,7 @@ def verify_every_type(ps: Any, args: argparse.Namespace, device: Any) -> bool:
                   f"({type(model).__name__}, {applied.device})")
             if applied.release is not None:
                 print(f"{applied.release}: this verification is on the installed release")
-            print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
+            print(report_text(report, detail=args.detail))  # the table grouped by class, within 120 columns
     passed = all(row["ok"] for row in rows)
     if args.json:  # the first type's fields at the top (as for one type), every type under "types"
         print(json.dumps({**rows[0], "ok": passed, **({"types": rows} if len(rows) > 1 else {})}, indent=2))

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from engine.foundation.release_policy import OutsideRange
 from engine.kernels.registry import KernelProvider
+from engine.planning.tables import TABLE_WIDTH, format_table
 from engine.schema import Device, Patchset
 
 __all__ = ["Action", "Decision", "FunctionSite", "Mode", "Plan", "format_decisions", "format_table", "from_files"]
@@ -95,33 +96,6 @@ _RELEASE_ACTION = {
     "verify": "apply verifies the patchset on it first (a cached verdict where there is one)",
     "trust": "apply patches without verifying (unverified='trust')",
 }
-
-
-#: The widest a table is printed: its last column (a reason, a note) wraps beneath itself past this.
-TABLE_WIDTH = 120
-
-
-def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, width: int | None = None) -> str:
-    """An aligned plain-text table; with ``width``, at most that wide where its other columns allow.
-
-    Why wrap the last column: it holds the prose (the plan's ``why``, a check's note), which ran to
-    ~190 characters and made every row of a terminal's table wrap at random; wrapped beneath its
-    own column, a row stays readable and the first columns stay aligned.
-    """
-    import textwrap
-
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    start = sum(widths[:-1]) + 2 * (len(widths) - 1)
-    if width is not None:
-        widths[-1] = min(widths[-1], max(width - start, 30))
-    lines = []
-    for r in cells:
-        parts = (textwrap.wrap(r[-1], widths[-1], break_on_hyphens=False) or [""]) if len(r[-1]) > widths[-1] else [r[-1]]
-        lines.append("  ".join(c.ljust(w) for c, w in zip([*r[:-1], parts[0]], widths)).rstrip())
-        lines += [(" " * start + part).rstrip() for part in parts[1:]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def from_files(files: Sequence[str]) -> str:
