@@ -53,6 +53,14 @@ from engine.verification.runner import prepare_batch
 __all__ = ["Original", "audit", "audit_many", "measure_first"]
 
 Patch = str | Callable[[nn.Module], Any] | Adapter
+#: ``fn(done, total, what)`` after each part (as :data:`engine.verification.progress.ProgressOption`'s callable): the
+#: original's measurement counts its probe, its modules and each declared condition; the patches count one each, and
+#: a call that repeats ``done`` says where the patch being judged has come (a command's progress, minutes long).
+AuditProgress = Callable[[int, int, str], Any] | None
+
+
+def _silent(done: int, total: int, what: str) -> None:
+    return None
 
 
 class Original:
@@ -68,7 +76,7 @@ class Original:
 
 @keeps_random_state
 def measure_first(model: nn.Module, batch: dict[str, Any] | None = None, *, offload: Any = "auto",
-                  conditions: Any = "default") -> Original:
+                  conditions: Any = "default", progress: AuditProgress = None) -> Original:
     """Step 1 of an audit (see the module docstring): everything the original computes, before any patch."""
     from engine.scaffolding.capture import model_functions
 
@@ -82,10 +90,17 @@ def measure_first(model: nn.Module, batch: dict[str, Any] | None = None, *, offl
     functions = model_functions(model)
     records: dict[Any, Recorded] = {}
     whole = measure_original(model, batch, held, recording(model, paths, functions, records, held))
+    wanted, say = declared(conditions), progress or _silent
+    say(1, 2 + len(wanted), "the original: the model and its fp64 truth")
     modules_started = time.perf_counter()
     measure(model, functions, records)
+    say(2, 2 + len(wanted), f"the original: {len(records)} modules and functions and their fp64 truth")
     conditions_started = time.perf_counter()
-    under = measure_conditions(model, held, declared(conditions))
+    under = []
+    for i, condition in enumerate(wanted, 3):
+        under += measure_conditions(model, held, [condition])
+        ran = bool(under) and under[-1].condition == condition
+        say(i, 2 + len(wanted), f"the original under {condition.name}" + ("" if ran else ": does not apply"))
     original = Original(model, batch, held, time.perf_counter() - started, whole, records, functions)
     original.conditions = under
     original.phases = {"model and its truth": round(modules_started - started, 1),
@@ -126,17 +141,25 @@ def audit(model: nn.Module, patch: Patch, *, batch: dict[str, Any] | None = None
 
 def audit_many(model: nn.Module, patches: Sequence[Patch], *, batch: dict[str, Any] | None = None,
                offload: Any = "auto", original: Original | None = None,
-               conditions: Any = "default") -> list[AuditReport]:
-    """:func:`audit` of several patches against one measurement of the original (measured once, first)."""
+               conditions: Any = "default", progress: AuditProgress = None) -> list[AuditReport]:
+    """:func:`audit` of several patches against one measurement of the original (measured once, first); ``progress``
+    is told each patch judged of the total, and where the one being judged has come."""
     model = unwrap(model)
     model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
     adapters = [resolve(p, model_type) for p in patches]
     original = original or measure_first(model, batch, offload=offload, conditions=conditions)
-    return [_judge_one(original, adapter, model_type) for adapter in adapters]
+    say = progress or _silent
+    reports = []
+    for i, adapter in enumerate(adapters):
+        reports.append(_judge_one(original, adapter, model_type,
+                                  lambda what, i=i, name=adapter.name: say(i, len(adapters), f"{name}: {what}")))
+        say(i + 1, len(adapters), f"{adapter.name}: {reports[-1].verdict}")
+    return reports
 
 
 @keeps_random_state
-def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditReport:
+def _judge_one(original: Original, adapter: Adapter, model_type: str,
+               say: Callable[[str], Any] = lambda what: None) -> AuditReport:
     model = original.model
     dtype = next(model.parameters()).dtype
     report = AuditReport(adapter.name, type(model).__name__, model_type, DTYPE_NAMES.get(dtype, str(dtype)),
@@ -156,8 +179,9 @@ def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditRe
                 report.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
                 return report
             report.seconds["patch"] = round(time.perf_counter() - started, 2)
+            say(f"patched ({report.seconds['patch']:.1f} s)")
             started = time.perf_counter()
-            _judge(original, adapter, patched, state, report, copied)
+            _judge(original, adapter, patched, state, report, copied, say)
             report.seconds["judge"] = round(time.perf_counter() - started, 2)
     finally:
         state.restore()
@@ -166,7 +190,7 @@ def _judge_one(original: Original, adapter: Adapter, model_type: str) -> AuditRe
 
 
 def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: ProcessState, report: AuditReport,
-           copied: dict[str, Any]) -> None:
+           copied: dict[str, Any], say: Callable[[str], Any] = lambda what: None) -> None:
     """Each change found, then the whole model, always: detection says where to look, never whether to judge."""
     model = original.model
     process = state.changes()
@@ -193,12 +217,17 @@ def _judge(original: Original, adapter: Adapter, patched: nn.Module, state: Proc
             if rec is not None and row.result in ("same", "passes") and _sampled(change, named):
                 _backward(row, mine.get(change.path), named.get(change.path), rec, device, state)
         report.rows.append(row)
+    say(f"{len(changes)} changes judged; the whole model next")
     try:
         checks = judge_patched(patched, original.batch, original.whole, original.held)
     except Exception as exc:  # noqa: BLE001  (a patched model that cannot run here is unchecked, never passed)
         report.model_problem = f"the patched model raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return
-    under = judge_conditions(patched, original.conditions, original.held)
+    say("the whole model judged")
+    under = []
+    for measured in original.conditions:  # one at a time: each is said as it is judged
+        under += judge_conditions(patched, [measured], original.held)
+        say(f"the whole model judged under {measured.condition.name}")
     checks = [*checks, *under]
     report.model_checks = checks
     report.model_ratios = _model_ratios(checks)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.commands.arguments import quiet_argument
 from engine.errors import InvalidArgument, MissingDependency
 
 if TYPE_CHECKING:
@@ -84,29 +85,55 @@ def run_audit(args: argparse.Namespace) -> int:
     if not args.patches:
         raise InvalidArgument("audit needs --with PATCH (liger, twinkle, llamafactory-v1, hf-kernels, patchset:NAME, "
                               "MODULE:FUNCTION)")
+    from engine.auditing.conditions import conditions as declared
+    from engine.commands.steps import Steps
+
     started = time.perf_counter()
-    try:
-        if args.model_type and not (args.model or args.gguf):  # a bad --with is a usage error before anything is built
-            [resolve(p, args.model_type) for p in args.patches]
-        model, batch, source = build_model(args)
-        adapters = [resolve(p, str(model.config.model_type)) for p in args.patches]
-    except MissingDependency as exc:  # the stack's package (or the checkpoint's reader) is not installed here
-        print(f"could not run: {exc}", file=sys.stderr)
-        return EXIT_COULD_NOT_RUN
-    original = measure_first(model, batch, conditions=None if args.quick else "default")
-    reports = audit_many(model, adapters, original=original)
+    conditions = None if args.quick else "default"
+    # minutes on a real checkpoint: the model, the original's parts, each patch judged, as they run (stderr)
+    with Steps(3 + len(declared(conditions)) + len(args.patches), "audit", quiet=args.quiet) as steps:
+        try:
+            if args.model_type and not (args.model or args.gguf):  # a bad --with: a usage error before anything is built
+                [resolve(p, args.model_type) for p in args.patches]
+            steps.note(f"loading {Path(args.model or args.gguf).name}" if args.model or args.gguf else
+                       f"building a tiny {args.model_type}")
+            model, batch, source = build_model(args)
+            adapters = [resolve(p, str(model.config.model_type)) for p in args.patches]
+        except MissingDependency as exc:  # the stack's package (or the checkpoint's reader) is not installed here
+            print(f"could not run: {exc}", file=sys.stderr)
+            return EXIT_COULD_NOT_RUN
+        steps.step(f"model: {source}")
+        original = measure_first(model, batch, conditions=conditions, progress=lambda done, total, what: steps.step(what))
+        reports = audit_many(model, adapters, original=original, progress=_judged(steps))
     seconds = round(time.perf_counter() - started, 1)
     if args.json:
         print(json.dumps({"model": source, "seconds": seconds, "original": original.phases,
                           "audits": [r.to_dict() for r in reports]}, indent=2))
     else:
+        from engine.planning.tables import table_width
+
         phases = ", ".join(f"{k} {v} s" for k, v in original.phases.items())
         print(f"audit on {source}, {args.dtype}, {args.mode}; the original measured first ({original.seconds:.1f} s: "
               f"{phases})")
-        for report in reports:
-            print()
-            print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
+        with table_width():  # every table within 120 columns: its notes beneath their rows where they do not fit
+            for report in reports:
+                print()
+                print(report if not args.detail else f"{report}\n\n{report.table(detail=True)}")
     return exit_code([r.verdict for r in reports])
+
+
+def _judged(steps: Any) -> Any:
+    """``audit_many``'s progress: a step for each patch judged, a note for where the one being judged has come."""
+    finished = [0]
+
+    def progress(done: int, total: int, what: str) -> None:
+        if done > finished[0]:
+            finished[0] = done
+            steps.step(what)
+        else:
+            steps.note(what)
+
+    return progress
 
 
 #: ``audit``'s exit codes (``--help`` prints them): the verdicts a script can act on, and "could not run" apart.
@@ -146,4 +173,5 @@ def add_parser(sub: Any) -> None:
                         "padding, -100 labels: engine/_data/conditions.yaml) that run by default")
     p.add_argument("--detail", action="store_true", help="one row per module (not grouped by class)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    quiet_argument(p)
     p.set_defaults(func=run_audit)

@@ -104,8 +104,9 @@ class CheckpointVerification:
         head = (f"verify {a.patchset!r}{from_files(a.files)} on {src.get('checkpoint', 'a model')} "
                 f"({src.get('model', '-')}, {a.model_type}, {a.device}, {src.get('dtype', '-')}, {a.mode}), "
                 f"{self.tokens} tokens of {src.get('text', 'text')}")
-        table = f"{self.report}\n\n{self.report.table(detail=True)}" if detail else str(self.report)
-        return "\n".join([head, *self.perplexity_lines(), table])
+        from engine.commands.verify_table import report_text  # grouped by class, within 120 columns
+
+        return "\n".join([head, *self.perplexity_lines(), report_text(self.report, detail=detail)])
 
     def to_dict(self) -> dict[str, Any]:
         a = self.applied
@@ -125,21 +126,30 @@ def verify_checkpoint(
     device: Any = None,
     fused_cross_entropy: Any = None,
     modules: str = "all",
+    steps: Any = None,
 ) -> CheckpointVerification:
     """Perplexity unpatched; apply; verify on ``batch``; perplexity patched; revert.
 
     ``mode`` is how the model runs: ``training`` (``model.train()``, kernels with a backward,
     the fused head computing the loss) or ``inference`` (``model.eval()``). ``modules="sample"``
     checks the first, middle and last module of each patched class (see :func:`engine.verify`).
-    The model is reverted before this returns, also when verification fails.
+    The model is reverted before this returns, also when verification fails. ``steps``: an
+    :class:`engine.commands.steps.Steps` told each of :data:`STEPS` (minutes on a real checkpoint).
     """
+    steps = steps or _Silent()
     model.train(mode == "training")
     before = perplexity(model, batch)
+    steps.step(f"perplexity unpatched {before:.4f}")
     # the patcher, not the facade: this verification, on the user's own weights, is the release's too
     applied = patch(model, patchset, device=device, mode=mode, fused_cross_entropy=fused_cross_entropy)
+    steps.step(f"patched {len(applied.patched)} modules and functions; next the original's run and its fp64 truth, "
+               "then each module checked, then the whole model")
     try:
-        report = verify(model, batch=batch, modules=modules, raise_on_failure=False)
+        checked = _Checked(steps)
+        report = verify(model, batch=batch, modules=modules, raise_on_failure=False, progress=checked)
+        checked.finish()
         after = perplexity(model, batch)
+        steps.step(f"perplexity patched {after:.4f}")
     finally:
         revert(model)
     return CheckpointVerification(before, after, int(batch["input_ids"].numel()), applied, report)
@@ -158,11 +168,12 @@ def verify_checkpoint_files(
     fused_cross_entropy: Any = None,
     modules: str = "all",
     trust_remote_code: bool = False,
+    steps: Any = None,
 ) -> CheckpointVerification:
     """What ``patch-engine verify PATCHSET --model PATH | --gguf FILE`` runs, from paths and names.
 
     Everything a user typed is checked before the checkpoint is loaded (that takes a while):
-    the patchset, the text file, the dtype, the device.
+    the patchset, the text file, the dtype, the device. ``steps``: told each of :data:`STEPS`.
     """
     from engine.loader import load_patchset
     from engine.runtime.devices import as_device, current_device, is_present
@@ -182,12 +193,53 @@ def verify_checkpoint_files(
 
         raise device_missing(dev.value, current_device().value, [patchset] if isinstance(patchset, str) else [],
                              interpret=False)
+    steps = steps or _Silent()
+    name = Path(str(gguf or model)).name
+    steps.note(f"loading {name}")
     loaded, tokenizer = load_checkpoint(model, gguf=gguf, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     loaded.to(dev.value)
     words = Path(text).read_text(encoding="utf-8") if text is not None else default_text()
     batch = text_batch(tokenizer, words, max_tokens=max_tokens, device=dev.value)
+    steps.step(f"loaded {name} ({type(loaded).__name__}, {dtype}), {int(batch['input_ids'].numel())} tokens")
     done = verify_checkpoint(loaded, ps, batch, mode=mode, device=dev, fused_cross_entropy=fused_cross_entropy,
-                             modules=modules)
+                             modules=modules, steps=steps)
     done.source = {"checkpoint": str(gguf or model), "model": type(loaded).__name__, "dtype": dtype,
                    "text": text or "the bundled text"}
     return done
+
+
+#: What a checkpoint's verification tells its ``steps``, in order (``patch-engine verify --gguf``'s progress).
+STEPS = ("loaded", "perplexity unpatched", "patched", "modules checked", "the whole model checked", "perplexity patched")
+
+
+class _Silent:
+    def step(self, text: str) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+
+class _Checked:
+    """The verifier's ``progress=`` callback: a note each tenth of the modules, a step when all are checked and one
+    for the whole model (checked in one run whose original pass records the modules' inputs)."""
+
+    def __init__(self, steps: Any):
+        self.steps, self.checked, self.modules, self.whole = steps, 0, None, False
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        self.modules = total - 1
+        if what == "the whole model":
+            self.whole = True
+            self.steps.step("the whole model checked: logits, loss and every gradient")
+            return
+        self.checked += 1
+        if self.checked == self.modules:
+            self.steps.step(f"modules checked {self.checked}/{self.modules}")
+        elif self.checked * 10 // self.modules > (self.checked - 1) * 10 // self.modules:
+            self.steps.note(f"modules checked {self.checked}/{self.modules} ({what})")
+
+    def finish(self) -> None:
+        """The steps the verification did not reach (a module never called; no whole model), so the count ends whole."""
+        if self.modules is None or self.checked < self.modules:
+            self.steps.step(f"modules checked {self.checked}/{self.modules or self.checked}")
+        if not self.whole:
+            self.steps.step("the whole model: not checked")

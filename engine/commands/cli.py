@@ -9,17 +9,15 @@ device this machine does not have). With
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from engine.commands.arguments import checkpoint_arguments, quiet_argument, release_argument, release_policy
+from engine.commands.cli_words import for_cli
 from engine.commands.quiet import others_quiet
 from engine.errors import DeviceNotAvailable, InvalidArgument, PatchError
-from engine.foundation.release_policy import ENV_VAR as RELEASE_ENV_VAR
-from engine.foundation.release_policy import POLICIES
 
 __all__ = ["main"]
 
@@ -132,7 +130,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"on {the_plan.device.value} ({the_plan.mode})")
         for note in (the_plan.release_note(), the_plan.verification):
             if note:
-                print(note)
+                print(for_cli(str(note), args.patchset))
         print(format_decisions(the_plan.decisions, detail=args.detail))
     return EXIT_OK
 
@@ -178,18 +176,20 @@ def _verify_checkpoint(args: argparse.Namespace) -> int:
 
     See :mod:`engine.commands.checkpoint`.
     """
-    from engine.commands.checkpoint import verify_checkpoint_files
+    from engine.commands.checkpoint import STEPS, verify_checkpoint_files
+    from engine.commands.steps import Steps
 
     if args.model and args.gguf:
         raise InvalidArgument("give --model PATH or --gguf FILE, not both")
     if args.model_type:
         raise InvalidArgument("--model-type builds a tiny model; a checkpoint's model type is its config's")
-    done = verify_checkpoint_files(
-        args.patchset, model=args.model, gguf=args.gguf, text=args.text, max_tokens=args.max_tokens,
-        dtype=args.dtype, mode=args.mode or "inference", device=args.device,
-        fused_cross_entropy=True if args.fused_cross_entropy else None, trust_remote_code=args.trust_remote_code,
-        modules="sample" if args.sample else "all",
-    )
+    with Steps(len(STEPS), "verify", quiet=args.quiet) as steps:  # minutes on a real checkpoint: what runs, as it runs
+        done = verify_checkpoint_files(
+            args.patchset, model=args.model, gguf=args.gguf, text=args.text, max_tokens=args.max_tokens,
+            dtype=args.dtype, mode=args.mode or "inference", device=args.device,
+            fused_cross_entropy=True if args.fused_cross_entropy else None, trust_remote_code=args.trust_remote_code,
+            modules="sample" if args.sample else "all", steps=steps,
+        )
     print(json.dumps(done.to_dict(), indent=2) if args.json else done.text(detail=args.detail))
     return EXIT_OK if done.passed else EXIT_FAILED
 
@@ -307,7 +307,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--model-type", help="model_type of the tiny model (default: the patchset's)")
         p.add_argument("--device", help="cpu, cuda, npu, xpu, mps (default: current accelerator)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        _release_argument(p)
+        release_argument(p)
         if name == "plan":
             p.add_argument("--mode", choices=("training", "inference"), default="training")
             p.add_argument("--detail", action="store_true", help="one row per module")
@@ -321,7 +321,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--interpret", action="store_true",
                            help="plan for CUDA and run its Triton kernels (liger, fla) on this CPU with Triton's "
                                 "interpreter (slow; default device cuda)")
-            _checkpoint_arguments(p)
+            checkpoint_arguments(p)
+            quiet_argument(p, "a line a step; with --model/--gguf")
         p.set_defaults(func=func)
 
     p = sub.add_parser("scaffold", help="measure every op's declarations on a tiny model of a type; print a patchset")
@@ -353,13 +354,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="the measured column's data (read, and written by --measure)")
     p.add_argument("--bundled-from", metavar="PAGE",
                    help="take the bundled rows from a page this command wrote (no verification), the measured ones anew")
-    _release_argument(p)
+    release_argument(p)
     p.set_defaults(func=_cmd_coverage)
 
     p = sub.add_parser("demo", help="patch a small Qwen3 on this device; compare numbers and time")
     p.add_argument("--patchset", default="qwen3")
     p.add_argument("--steps", type=int, default=3, help="timed forward+backward repeats")
-    _release_argument(p)
+    release_argument(p)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("kernels", help="list registered kernel providers")
@@ -371,48 +372,6 @@ def _parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():
         command.add_argument(*VERBOSE, action="store_true", help="also show other packages' warnings and log lines")
     return parser
-
-
-def _release_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--unverified", "--unverified-release", dest="unverified_release", choices=POLICIES, default=None,
-                   help="content not known verified on the installed transformers (your own patchset, an edited "
-                        "bundled one, a release outside its range): verify it first (default; a cached verdict), "
-                        f"refuse it, or trust it (default: ${RELEASE_ENV_VAR}, else verify; --unverified-release is "
-                        "its old name)")
-
-
-@contextlib.contextmanager
-def _release_policy(value: str | None) -> Iterator[None]:
-    """``--unverified`` for everything the command calls: the engine's own variable, for the command's time.
-
-    Why the variable: every entry point reads it where no keyword says otherwise (the planner,
-    a tiny model's build, coverage, a checkpoint's verification), so one flag reaches them all.
-    """
-    if value is None:
-        yield
-        return
-    before = os.environ.get(RELEASE_ENV_VAR)
-    os.environ[RELEASE_ENV_VAR] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(RELEASE_ENV_VAR, None)
-        else:
-            os.environ[RELEASE_ENV_VAR] = before
-
-
-def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
-    """verify's options for a user's checkpoint instead of a tiny model (docs/verification.md)."""
-    p.add_argument("--model", metavar="PATH", help="verify on this checkpoint: a from_pretrained folder")
-    p.add_argument("--gguf", metavar="FILE", help="verify on this checkpoint: a .gguf file (needs the gguf package)")
-    p.add_argument("--text", metavar="FILE", help="text to run (default: a bundled English text)")
-    p.add_argument("--max-tokens", type=int, default=512, help="tokens of the text to use (default: 512)")
-    p.add_argument("--mode", choices=("training", "inference"), help="how the model runs (default: inference)")
-    p.add_argument("--fused-cross-entropy", action="store_true", help="also fuse the LM head and loss")
-    p.add_argument("--sample", action="store_true",
-                   help="check the first, middle and last module of each patched class (big models)")
-    p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the checkpoint")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -427,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     try:
-        with _release_policy(getattr(args, "unverified_release", None)), others_quiet(args.verbose):
+        with release_policy(getattr(args, "unverified_release", None)), others_quiet(args.verbose):
             return int(args.func(args))
     except (InvalidArgument, DeviceNotAvailable) as exc:  # the command line asked for something that is not there
         _report_error(args, exc, "usage error")
@@ -441,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report_error(args: argparse.Namespace, exc: Exception, kind: str) -> None:
-    print(f"{kind}: {exc}", file=sys.stderr)
+    print(f"{kind}: {for_cli(str(exc), getattr(args, 'patchset', None))}", file=sys.stderr)  # its flags, not keywords
     if getattr(args, "json", False):
         print(json.dumps({"ok": False, **_error_dict(exc)}, indent=2))
 

@@ -46,9 +46,13 @@ class _Others(logging.Filter):
 
 @contextlib.contextmanager
 def others_quiet(verbose: bool = False) -> Iterator[None]:
-    """For the command's time: other packages' warnings and log lines dropped (counted), unless ``verbose``."""
+    """For the command's time: other packages' warnings and log lines dropped (counted), unless ``verbose``; the
+    engine's own in the command line's words (:func:`engine.commands.cli_words.for_cli`)."""
     if verbose:
-        yield
+        with warnings.catch_warnings():
+            shown = warnings.showwarning
+            warnings.showwarning = lambda message, category, *rest: shown(_words(message, category), category, *rest)
+            yield
         return
     hidden = _Others()
     handler = logging.StreamHandler(sys.stderr)  # where logging's last resort would have written them
@@ -66,7 +70,7 @@ def others_quiet(verbose: bool = False) -> Iterator[None]:
                      line: str | None = None) -> None:
                 nonlocal dropped
                 if _ours(category, filename):
-                    shown(message, category, filename, lineno, file, line)
+                    shown(_words(message, category), category, filename, lineno, file, line)
                 else:
                     dropped += 1
 
@@ -77,6 +81,15 @@ def others_quiet(verbose: bool = False) -> Iterator[None]:
         restore()
         if dropped or hidden.hidden:  # transformers' own are hidden by its level, uncounted
             print("(other packages' warnings hidden: -v shows them)", file=sys.stderr)
+
+
+def _words(message: Any, category: type[Warning]) -> Any:
+    """An engine warning's text as the command line says it (``--unverified trust``); any other as it came."""
+    if category.__module__.split(".")[0] != "engine":
+        return message
+    from engine.commands.cli_words import for_cli
+
+    return category(for_cli(str(message)))
 
 
 def _transformers_quiet() -> Any:

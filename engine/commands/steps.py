@@ -16,7 +16,8 @@ __all__ = ["Steps"]
 
 
 class Steps:
-    """``step(text)`` after each of ``total`` steps; ``close()`` at the end (also as a context manager)."""
+    """``step(text)`` after each of ``total`` steps, ``note(text)`` within one; ``close()`` at the end (also as a
+    context manager)."""
 
     def __init__(self, total: int, what: str, *, quiet: bool = False, stream: Any = None):
         self.total, self.what, self.done, self.quiet = total, what, 0, quiet
@@ -35,6 +36,16 @@ class Steps:
         if self.bar is not None:
             self.bar.set_postfix_str(text[:60], refresh=False)
             self.bar.update(1)
+        else:
+            elapsed = time.perf_counter() - self.started
+            print(f"{self.what} {self.done}/{self.total} ({elapsed:.0f} s): {text}", file=self.stream, flush=True)
+
+    def note(self, text: str) -> None:
+        """Where a step has come, without finishing it (a verification's modules checked so far, a patch's condition)."""
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(text[:60], refresh=True)
         else:
             elapsed = time.perf_counter() - self.started
             print(f"{self.what} {self.done}/{self.total} ({elapsed:.0f} s): {text}", file=self.stream, flush=True)

@@ -42,11 +42,19 @@ def plan_zero_config(args: argparse.Namespace) -> int:
     from engine.planning.report import Report, format_decisions
     from engine.zeroconfig import choose
 
+    from engine.runtime.devices import as_device, current_device, is_present
+
     model = _model(args, "plan")
-    choice = choose(model, args.patchset, device=args.device, mode=args.mode)
+    # a dry run for a device this machine lacks (plan --device cuda on a CPU): measured and verified here, then planned
+    # for that device; apply there verifies the measured declarations again with its kernels (said below)
+    absent = args.device is not None and not is_present(as_device(args.device))
+    here = current_device().value if absent else args.device
+    choice = choose(model, args.patchset, device=here, mode=args.mode)
     if choice.patchset is None:
         assert choice.empty is not None
         report = choice.empty
+        if absent:  # nothing to plan for: the decisions are none on any device
+            report.device = as_device(args.device).value
     else:
         report = Report.from_plan(plan(model, choice.patchset, device=args.device, mode=args.mode))
         report.zero_config = choice.record
@@ -56,6 +64,11 @@ def plan_zero_config(args: argparse.Namespace) -> int:
         print(f"plan (zero configuration) for a tiny {report.model_type} ({type(model).__name__}) on {report.device} "
               f"({report.mode}): patchset {report.patchset!r}")
         print(choice.record)
+        if absent and choice.record.source != "bundled":
+            print(f"verification: this machine has no {args.device}, so the measured declarations were verified on "
+                  f"a tiny copy here ({here}, its kernels); on a machine with {args.device}, applying them (engine.apply, "
+                  f"patch-engine verify --model-type {report.model_type} --device {args.device}) verifies them again "
+                  f"with the {args.device} kernels below first (a verdict cached per device)")
         print(format_decisions(report.decisions, detail=args.detail))
     return EXIT_OK
 
@@ -90,7 +103,9 @@ def verify_zero_config(args: argparse.Namespace) -> int:
     else:
         print(f"verify (zero configuration) on a tiny {applied.model_type} ({type(model).__name__}, {applied.device})")
         print(applied.zero_config)
-        print(report if report is not None else "nothing patched, nothing to verify")
+        from engine.commands.verify_table import report_text  # grouped by class, within 120 columns
+
+        print(report_text(report) if report is not None else "nothing patched, nothing to verify")
     return EXIT_OK if passed else EXIT_FAILED
 
 
