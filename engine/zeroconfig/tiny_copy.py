@@ -220,7 +220,7 @@ def _runs_on_probes(tiny: nn.Module) -> None:
     with torch.no_grad(), torch.random.fork_rng(devices=[]), torch_path(tiny):
         try:
             batch = probe_batch(tiny)
-        except Exception as exc:  # noqa: BLE001  (a config the probe reads no vocabulary from)
+        except Exception as exc:
             if required:  # the plain reason: what its forward needs that no probe makes
                 raise _NotRunning(0, None) from InvalidArgument(
                     f"its forward requires {', '.join(required)} (no default), which the engine's probes do not make")
@@ -228,7 +228,7 @@ def _runs_on_probes(tiny: nn.Module) -> None:
         inputs = ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if isinstance(v, torch.Tensor))
         try:
             out = tiny(**batch)
-        except Exception as exc:  # noqa: BLE001  (the loss, or the forward itself: without labels says which)
+        except Exception as exc:
             try:
                 tiny(**{k: v for k, v in batch.items() if k != "labels"})
             except Exception:  # noqa: BLE001
@@ -242,7 +242,7 @@ def _runs_on_probes(tiny: nn.Module) -> None:
                 image_features(tiny, pixels)
         except (TypeError, ValueError, AttributeError, NotImplementedError):
             pass
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise _NotRunning(4, exc, ", ".join(f"{k} {tuple(v.shape)}" for k, v in pixels.items())) from exc
 
 
@@ -250,7 +250,7 @@ def _no_copy(cls: type, tried: list[tuple[str, Exception]]) -> Exception:
     """The error of :func:`tiny_copy` where no candidate builds and runs: the run that got furthest, else the first."""
     running = [(exc.stage, what == "its own sizes", what, exc) for what, exc in tried if isinstance(exc, _NotRunning)]
     if running:
-        stage, own, what, exc = max(running, key=lambda r: r[:2])
+        _, own, what, exc = max(running, key=lambda r: r[:2])
         required = exc.__cause__ if exc.error is None and isinstance(exc.__cause__, InvalidArgument) else None
         at = "at its own sizes" if own else f"at {what}"
         return InvalidArgument(f"{required or exc} ({at})")
