@@ -297,3 +297,53 @@ def test_links_to_a_section_lead_to_one(page: Path) -> None:
         if linked.suffix == ".md" and linked.exists() and anchor not in _anchors(linked):
             missing.append(target)
     assert not missing, f"{page.name} links to sections that do not exist: {missing}"
+
+
+# --------------------------------------------------------------------------------------
+# docs/usage.md's "What you see while it runs": the progress lines and tables it shows are the code's.
+
+_PROGRESS = re.compile(r"^(verify|audit) (\d+)/(\d+) \(\d+ s\): (.+)$")
+
+
+def _transcript(command: str) -> list[str]:
+    text = (ROOT / "docs" / "usage.md").read_text()
+    block = re.search(rf"```console\n\$ [^\n]*{re.escape(command)}[^\n]*\n(.*?)```", text, re.DOTALL)
+    assert block is not None, f"docs/usage.md shows no transcript of {command}"
+    return block[1].splitlines()
+
+
+def test_the_progress_transcripts_are_what_the_commands_print() -> None:
+    from engine.commands.checkpoint import STEPS
+    from engine.planning.tables import TABLE_WIDTH
+
+    verify, audit = _transcript("patch-engine verify llama --gguf"), _transcript("patch-engine audit llama")
+    for name, lines in (("verify", verify), ("audit", audit)):
+        shown = [m for m in map(_PROGRESS.match, lines) if m]
+        assert shown and all(m[1] == name for m in shown), lines
+        totals = {int(m[3]) for m in shown}
+        assert len(totals) == 1, f"{name}: one total in a run, not {totals}"
+        counts = [int(m[2]) for m in shown]
+        assert counts == sorted(counts) and counts[0] == 0 and counts[-1] <= totals.pop()
+        # the tables: every line of a table within the width the commands print at (sentences are prose)
+        table = [line for line in lines if not _PROGRESS.match(line)
+                 and not line.startswith(("verify '", "verification ", "audit on ", "patchset ", "perplexity "))]
+        assert max(map(len, table)) <= TABLE_WIDTH, name
+    # verify's steps are checkpoint.STEPS, in order, each finished line naming its step
+    finished = {}
+    for m in map(_PROGRESS.match, verify):
+        if m:
+            finished.setdefault(int(m[2]), m[4])
+    assert {int(m[3]) for m in map(_PROGRESS.match, verify) if m} == {len(STEPS)}
+    for done, text in finished.items():
+        if done:
+            assert text.startswith(STEPS[done - 1]), f"verify {done}/{len(STEPS)}: {text!r} is not {STEPS[done - 1]!r}"
+    # audit's total: the model, the original's probe and modules, each condition named, each patch
+    conditions = re.search(r'PATCH_ENGINE_AUDIT_CONDITIONS="([^"]+)"', (ROOT / "docs" / "usage.md").read_text())
+    assert conditions is not None
+    named = conditions[1].split(",")
+    command = re.search(r"\$ [^\n]*patch-engine audit llama[^\n]*", (ROOT / "docs" / "usage.md").read_text())
+    assert command is not None
+    patches = command[0].count("--with ")
+    assert {int(m[3]) for m in map(_PROGRESS.match, audit) if m} == {3 + len(named) + patches}
+    for condition in named:
+        assert any(m and m[4] == f"the original under {condition}" for m in map(_PROGRESS.match, audit)), condition
