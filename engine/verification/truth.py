@@ -57,6 +57,10 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
              torch.Tensor.requires_grad_, torch.Tensor.register_hook, torch.Tensor.untyped_storage}
 
 
+#: Tensor properties that are views of it: on a parameter, taken from its fp64 upcast (:meth:`Fp64.__torch_function__`).
+_VIEW_PROPERTIES = {"T", "mT", "H", "mH"}
+
+
 def _in_place(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDER
@@ -295,6 +299,11 @@ class Fp64(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__" and args and id(args[0]) in self.params and getattr(
+                getattr(func, "__self__", None), "__name__", "") in _VIEW_PROPERTIES:
+            # ``self.weight.T`` (Falcon's linear): the view of the parameter's fp64 upcast, so its gradient reaches the
+            # sink; the view of the fp32 parameter would be upcast as a plain tensor, its gradient lost to ``.grad``
+            return getattr(self._up(args[0]), func.__self__.__name__)
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__"):
             return func(*args, **kwargs)
         if func in _DOWNCASTS and args and isinstance(args[0], torch.Tensor):
