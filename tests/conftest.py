@@ -20,6 +20,9 @@ os.environ.setdefault("PATCH_ENGINE_COMPILE", "0")
 # patch judged: the audit tests that judge other things run the probe alone, and tests/test_audit_conditions.py
 # names the conditions it judges.
 os.environ.setdefault("PATCH_ENGINE_AUDIT_CONDITIONS", "none")
+# verify, apply's self-verification and zero configuration: the probe only (each condition reruns the model; the
+# conditions' own tests, tests/test_conditions*.py, name theirs, and CI's verify-all step runs the budget's)
+os.environ.setdefault("PATCH_ENGINE_CONDITIONS", "none")
 # Self-verification verdicts (engine/releases) go to a cache of this session's own, never the user's
 # ~/.cache: a test must not read a verdict another run left, nor leave one behind.
 os.environ.setdefault("PATCH_ENGINE_CACHE_DIR", tempfile.mkdtemp(prefix="patch-engine-test-cache-"))

@@ -98,7 +98,7 @@ def measure_first(model: nn.Module, batch: dict[str, Any] | None = None, *, offl
     conditions_started = time.perf_counter()
     under = []
     for i, condition in enumerate(wanted, 3):
-        under += measure_conditions(model, held, [condition])
+        under += measure_conditions(model, held, [condition], batch)
         ran = bool(under) and under[-1].condition == condition
         say(i, 2 + len(wanted), f"the original under {condition.name}" + ("" if ran else ": does not apply"))
     original = Original(model, batch, held, time.perf_counter() - started, whole, records, functions)

@@ -26,9 +26,9 @@ from engine.verification.models import (
     hold,
     judging_gradients,
     run,
-    seeded,
     taking_gradients,
     truth_run,
+    without_labels,
 )
 from engine.verification.results import Check
 from engine.verification.routing import RoutingLog, judged_with_routing_pinned, routes
@@ -67,14 +67,16 @@ def _own_grads(*models: nn.Module) -> Iterator[None]:
 
 
 def measure_original(model: nn.Module, batch: dict[str, Any], held: torch.device,
-                     during: contextlib.AbstractContextManager[Any] | None = None) -> OriginalRun:
-    """The original's run (``during`` it: the modules' recording) and its fp64 truth, on the unpatched model."""
+                     during: contextlib.AbstractContextManager[Any] | None = None, scenario: Any = None) -> OriginalRun:
+    """The original's run (``during`` it: the modules' recording) and its fp64 truth, on the unpatched model
+    (under ``scenario``, a condition of use: :mod:`engine.verification.conditions`)."""
     grads = Grads()
-    routing = RoutingLog(floating_dtype(model.parameters())) if routes(model) else None
+    dtype = getattr(scenario, "compute_dtype", None) or floating_dtype(model.parameters())
+    routing = RoutingLog(dtype) if routes(model) else None
     with _own_grads(model):
         with (torch_path(model), taking_gradients(model, grads.original, held), during or contextlib.nullcontext(),
               routing.recording() if routing is not None else contextlib.nullcontext()):
-            out = run(model, batch)
+            out = run(model, batch, scenario=scenario)
         head = "logits" if "logits" in out else "last_hidden_state"
         original = OriginalRun(head, DTYPE_NAMES.get(out[head].dtype, str(out[head].dtype)), hold(out[head], held),
                                hold(out["loss"], held), grads, routing=routing)
@@ -84,22 +86,24 @@ def measure_original(model: nn.Module, batch: dict[str, Any], held: torch.device
             original.truth.update({k: v.detach().clone() for k, v in values.items()})
 
         with torch_path(model):
-            original.rounded = truth_run(model, batch, head, grads, held, keep, keep=True)
+            original.rounded = truth_run(model, batch, head, grads, held, keep, keep=True, scenario=scenario)
     return original
 
 
-def judge_patched(patched: nn.Module, batch: dict[str, Any], original: OriginalRun, held: torch.device) -> list[Check]:
+def judge_patched(patched: nn.Module, batch: dict[str, Any], original: OriginalRun, held: torch.device,
+                  scenario: Any = None) -> list[Check]:
     """Logits, loss and gradients of ``patched`` against the measured original, judged as ``verify`` judges them;
     where they fail in a model that routes, judged again with its experts chosen as the original chose them."""
-    checks = _judge_patched(patched, batch, original, held)
+    checks = _judge_patched(patched, batch, original, held, scenario=scenario)
     if all(c.passed for c in checks) or original.routing is None:
         return checks
     log = original.routing
-    return judged_with_routing_pinned(checks, log, lambda: _judge_patched(patched, batch, original, held, log.pinning))
+    return judged_with_routing_pinned(checks, log, lambda: _judge_patched(patched, batch, original, held, log.pinning,
+                                                                               scenario))
 
 
 def _judge_patched(patched: nn.Module, batch: dict[str, Any], original: OriginalRun, held: torch.device,
-                   during: Any = contextlib.nullcontext) -> list[Check]:
+                   during: Any = contextlib.nullcontext, scenario: Any = None) -> list[Check]:
     cls, head = type(patched).__name__, original.head
     params = dict(patched.named_parameters())
     grads = Grads(original=original.grads.original, noise=original.grads.noise)  # diff and missing are this patch's
@@ -110,11 +114,10 @@ def _judge_patched(patched: nn.Module, batch: dict[str, Any], original: Original
             taken[head] = hold(out[head], held)
 
     with _own_grads(patched), judging_gradients(params, grads), during():
-        out = run(patched, batch, between=between)
+        out = run(patched, batch, between=between, scenario=scenario)
     what = head
     if head not in taken:  # a fused head + loss makes no logits in training: the generation path's
-        with torch.no_grad(), seeded(patched):
-            taken[head] = hold(patched(**{k: v for k, v in batch.items() if k != "labels"})[head], held)
+        taken[head] = hold(without_labels(patched, batch, scenario)[head], held)
         what = f"{head} (no labels)"
     loss = hold(out["loss"], held)
     del out
@@ -128,7 +131,8 @@ def _judge_patched(patched: nn.Module, batch: dict[str, Any], original: Original
         truth = original.truth.get(key) if not grads.missing else None
         checks.append(value_check(cls, label, original.dtype, got, want, truth, typical if key == "loss" else None,
                                   seen))
-    checks.append(grads_check(cls, original.dtype, grads, params))
+    if scenario is None or scenario.backward:
+        checks.append(grads_check(cls, original.dtype, grads, params))
     if original.rounded:
         for check in checks:
             check.note += f" (the fp64 truth still rounded in {', '.join(original.rounded)})"

@@ -50,6 +50,41 @@ def release_policy(value: str | None) -> Iterator[None]:
             os.environ[RELEASE_ENV_VAR] = before
 
 
+def conditions_argument(p: argparse.ArgumentParser) -> None:
+    """verify's ``--conditions``: which conditions of use the whole model is also judged under."""
+    p.add_argument("--conditions", default=None, metavar="WHICH",
+                   help="conditions of use the whole model is also judged under (engine/_data/conditions.yaml: "
+                        "padding, -100 labels, eval, no_grad, bf16/fp16/autocast, repeated calls, an optimizer step, "
+                        "decoding with the cache, ...): all (default), budget (what apply runs), none, or names "
+                        "separated by commas; each is one more run of the model and its truth")
+
+
+@contextlib.contextmanager
+def conditions_scope(value: str | None) -> Iterator[None]:
+    """``--conditions`` for everything the command verifies: the engine's own variable, for the command's time (as
+    :func:`release_policy`: a checkpoint's, a tiny model's and zero configuration's verification all read it)."""
+    if value is None:
+        yield
+        return
+    from engine.verification.conditions import ENV_VAR, declared  # torch: only where verify runs
+
+    try:  # a wrong name fails here, named, before anything runs
+        declared(value if value in ("all", "budget", "none") else value.split(","))
+    except ValueError as exc:
+        from engine.errors import InvalidArgument
+
+        raise InvalidArgument(f"--conditions {value}: {exc}") from None
+    before = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = before
+
+
 def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     """verify's options for a user's checkpoint instead of a tiny model (docs/verification.md)."""
     p.add_argument("--model", metavar="PATH", help="verify on this checkpoint: a from_pretrained folder")

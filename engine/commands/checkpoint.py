@@ -226,6 +226,9 @@ class _Checked:
         self.steps, self.checked, self.modules, self.whole = steps, 0, None, False
 
     def __call__(self, done: int, total: int, what: str) -> None:
+        if what.startswith("under "):  # the whole model under a condition of use (after the whole model's step)
+            self.steps.note(f"the whole model {what} ({done - self.checked - 1}/{total - self.checked - 1})")
+            return
         self.modules = total - 1
         if what == "the whole model":
             self.whole = True

@@ -14,7 +14,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine.commands.arguments import checkpoint_arguments, quiet_argument, release_argument, release_policy
+from engine.commands.arguments import (
+    checkpoint_arguments,
+    conditions_argument,
+    conditions_scope,
+    quiet_argument,
+    release_argument,
+    release_policy,
+)
 from engine.commands.cli_words import for_cli
 from engine.commands.quiet import others_quiet
 from engine.errors import DeviceNotAvailable, InvalidArgument, PatchError
@@ -322,6 +329,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="plan for CUDA and run its Triton kernels (liger, fla) on this CPU with Triton's "
                                 "interpreter (slow; default device cuda)")
             checkpoint_arguments(p)
+            conditions_argument(p)
             quiet_argument(p, "a line a step; with --model/--gguf")
         p.set_defaults(func=func)
 
@@ -386,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     try:
-        with release_policy(getattr(args, "unverified_release", None)), others_quiet(args.verbose):
+        with (release_policy(getattr(args, "unverified_release", None)), others_quiet(args.verbose),
+              conditions_scope(getattr(args, "conditions", None))):
             return int(args.func(args))
     except (InvalidArgument, DeviceNotAvailable) as exc:  # the command line asked for something that is not there
         _report_error(args, exc, "usage error")

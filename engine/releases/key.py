@@ -90,6 +90,8 @@ def key_material(
 
     ``model_type``: the type of the model the verdict is for (the user's ``config.model_type``).
     """
+    from engine.verification.conditions import selection_key
+
     content = json.dumps(patchset.model_dump(mode="json"), sort_keys=True)
     return {
         "patchset": patchset.name,
@@ -101,6 +103,9 @@ def key_material(
         "dtype": dtype,
         "mode": mode,
         "kernels": {str(k): sorted(v) for k, v in sorted(kernels.items(), key=lambda kv: int(kv[0]))},
+        # the conditions of use the verification runs (the budget's, or what $PATCH_ENGINE_CONDITIONS names): a
+        # verdict reached without a condition is not one reached with it
+        "conditions": selection_key("budget"),
     }
 
 

@@ -16,7 +16,24 @@ from torch import nn
 from engine.verification.compare import compare
 from engine.verification.verdicts import Grads
 
-__all__ = ["hold"]
+__all__ = ["hold", "unjudged"]
+
+#: How many :func:`unjudged` blocks are open: while any is, the verification's gradient hooks do nothing.
+_UNJUDGED = [0]
+
+
+@contextlib.contextmanager
+def unjudged() -> Iterator[None]:
+    """A backward whose gradients no check takes: a condition's earlier training step (``optimizer step``).
+
+    Why: the step's gradients land in ``.grad`` (where the hooks a model or a patch registered see them, and the
+    step reads them), while the checks' hooks wait for the judged call's backward after it.
+    """
+    _UNJUDGED[0] += 1
+    try:
+        yield
+    finally:
+        _UNJUDGED[0] -= 1
 
 
 def hold(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -62,7 +79,7 @@ def _judge_gradients(params: dict[str, nn.Parameter], grads: Grads) -> Iterator[
 @contextlib.contextmanager
 def _on_gradient(params: dict[str, nn.Parameter], fn: Callable[[torch.Tensor, str], None]) -> Iterator[None]:
     """``fn(param, name)`` each time autograd has accumulated a gradient of ``params``, while the block runs."""
-    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: fn(p, name))
+    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: None if _UNJUDGED[0] else fn(p, name))
                for name, p in params.items() if p.requires_grad]
     try:
         yield

@@ -44,7 +44,7 @@ from engine.verification.verdicts import Grads, Seen, grads_check, loss_noise, v
 
 __all__ = [
     "Alongside", "Offload", "compare_models", "hold", "holding_device", "judging_gradients", "run", "seeded",
-    "surrogate_loss", "taking_gradients", "truth_run",
+    "surrogate_loss", "taking_gradients", "truth_run", "without_labels",
 ]
 
 _SEED = 0x5EED
@@ -118,7 +118,7 @@ class Alongside:
 
 def compare_models(
     patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None = None,
-    *, offload: Offload = "auto", alongside: Alongside | None = None,
+    *, offload: Offload = "auto", alongside: Alongside | None = None, scenario: Any = None,
 ) -> list[Check]:
     """Logits, loss and parameter gradients of ``patched`` vs its original (``reference``, default: itself unpatched).
 
@@ -126,6 +126,7 @@ def compare_models(
     caller that has one; by default the original runs on ``patched``'s own parameters.
     ``offload``: where what waits to be compared is kept (:func:`holding_device`).
     ``alongside``: what the caller runs with the original's and the patched runs (:class:`Alongside`).
+    ``scenario``: a condition of use every run goes through (:class:`engine.verification.conditions.Scenario`).
     """
     params = dict(patched.named_parameters())
     every = {id(p): p for m in (patched, reference) if m is not None for p in m.parameters()}
@@ -134,15 +135,15 @@ def compare_models(
         p.grad = None
     try:
         held = holding_device(patched, offload)
-        checks = _compare(patched, batch, reference, params, held, alongside or Alongside())
+        checks = _compare(patched, batch, reference, params, held, alongside or Alongside(), scenario)
         if all(c.passed for c in checks) or not routes(reference if reference is not None else patched):
             return checks
         for p in every.values():
             p.grad = None
-        log = RoutingLog(floating_dtype(params.values()))
+        log = RoutingLog(getattr(scenario, "compute_dtype", None) or floating_dtype(params.values()))
         return judged_with_routing_pinned(checks, log, lambda: _compare(
             patched, batch, reference, params, held, Alongside(during_original=log.recording,
-                                                               during_patched=log.pinning)))
+                                                               during_patched=log.pinning), scenario))
     finally:
         for key, p in every.items():
             p.grad = user_grads[key]
@@ -150,7 +151,7 @@ def compare_models(
 
 def _compare(
     patched: nn.Module, batch: dict[str, torch.Tensor], reference: nn.Module | None, params: dict[str, nn.Parameter],
-    held: torch.device, alongside: Alongside,
+    held: torch.device, alongside: Alongside, scenario: Any = None,
 ) -> list[Check]:
     cls = type(patched).__name__
     grads = Grads()
@@ -158,14 +159,14 @@ def _compare(
     tree = _module_tree(ran)
     with (_original(patched, reference) as original, _taking_gradients(original, grads.original, held),
           alongside.during_original()):
-        ref_out = _run(original, batch)
+        ref_out = _run(original, batch, scenario=scenario)
     if _module_tree(ran) != tree:  # its forward rebuilt part of the model: run the original again, settled
         del ref_out
         with _original(patched, reference) as original, _taking_gradients(original, grads.original, held):
-            ref_out = _run(original, batch)
+            ref_out = _run(original, batch, scenario=scenario)
     head = "logits" if "logits" in ref_out else "last_hidden_state"  # a base model has no LM head
     ref = _OriginalOutput(hold(ref_out[head], held), lambda: _original_output(patched, reference, batch, head, held),
-                          keep=held != next(patched.parameters()).device)
+                          keep=held != next(patched.parameters()).device or scenario is not None)
     ref_loss, dtype = hold(ref_out["loss"], held), DTYPE_NAMES.get(ref_out[head].dtype, str(ref_out[head].dtype))
     del ref_out
     if not _makes_logits(patched, batch):
@@ -179,11 +180,10 @@ def _compare(
             ref.drop()
 
     with _judge_gradients(params, grads), alongside.during_patched():
-        pat_out = _run(patched, batch, between=between)
+        pat_out = _run(patched, batch, between=between, scenario=scenario)
     pat_logits, logits_what = pat_out.get(head), head
     if pat_logits is None:  # a fused head + loss does not materialize them: compare the generation path
-        with torch.no_grad(), seeded(patched):
-            pat_logits = patched(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        pat_logits = without_labels(patched, batch, scenario)["logits"]
         logits_what = "logits (no labels)"
         seen[head] = _seen(pat_logits, ref.get())
     pat_logits, pat_loss = hold(pat_logits, held), hold(pat_out["loss"], held)
@@ -212,10 +212,11 @@ def _compare(
     rounded: list[str] = []
     if truth_runs:
         with _original(patched, reference) as original:
-            rounded = _truth_run(original, batch, head, grads, held, judge_values)
+            rounded = _truth_run(original, batch, head, grads, held, judge_values, scenario=scenario)
     judge_values({})  # bit-equal, or a gradient missing: no truth
     grads.original.clear()
-    checks.append(grads_check(cls, dtype, grads, params))
+    if scenario is None or scenario.backward:
+        checks.append(grads_check(cls, dtype, grads, params))
     if rounded:
         for check in checks:
             check.note += f" (the fp64 truth still rounded in {', '.join(rounded)})"
@@ -309,17 +310,37 @@ def seeded(model: nn.Module) -> Iterator[None]:
 
 
 def _run(model: nn.Module, batch: dict[str, torch.Tensor], forward_in: Any = None,
-         between: Callable[[Any], None] | None = None) -> Any:
-    """Forward (inside ``forward_in``, e.g. the fp64 mode) and backward of one batch; ``between(out)`` before the backward."""
+         between: Callable[[Any], None] | None = None, scenario: Any = None) -> Any:
+    """Forward (inside ``forward_in``, e.g. the fp64 mode) and backward of one batch; ``between(out)`` before the backward.
+
+    ``scenario``: a condition of use (:class:`engine.verification.conditions.Scenario`): what it sets is set around
+    the forward and the backward, what precedes the judged call runs before it (outside ``forward_in``), and a
+    forward-only condition (autograd off, decoding) has no backward."""
     with seeded(model), torch.enable_grad():  # also when the caller is under torch.no_grad()
-        with forward_in if forward_in is not None else contextlib.nullcontext():
-            out = model(**batch)
-            if getattr(out, "loss", None) is None and "last_hidden_state" in out:
-                out["loss"] = surrogate_loss(out.last_hidden_state)
-        if between is not None:
-            between(out)
-        out.loss.backward()
+        around = scenario.around(model, truth=forward_in is not None) if scenario else contextlib.nullcontext()
+        with around:
+            if scenario is not None:
+                scenario.before(model, batch, truth=forward_in is not None)
+            with forward_in if forward_in is not None else contextlib.nullcontext():
+                out = scenario.call(model, batch) if scenario is not None else model(**batch)
+                if getattr(out, "loss", None) is None and "last_hidden_state" in out:
+                    out["loss"] = surrogate_loss(out.last_hidden_state)
+            if between is not None:
+                between(out)
+            if scenario is None or scenario.backward:
+                out.loss.backward()
     return out
+
+
+def without_labels(model: nn.Module, batch: dict[str, Any], scenario: Any = None) -> Any:
+    """One forward without labels and without a graph (under ``scenario``): a fused head's logits (it makes none
+    where it computes the loss)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with seeded(model), (scenario.around(model, truth=False) if scenario else contextlib.nullcontext()):
+        if scenario is not None:
+            scenario.before(model, batch)  # an optimizer step's first call has the labels the original's had
+        with torch.no_grad():
+            return scenario.call(model, inputs) if scenario is not None else model(**inputs)
 
 
 def surrogate_loss(hidden: torch.Tensor) -> torch.Tensor:
@@ -334,7 +355,7 @@ def surrogate_loss(hidden: torch.Tensor) -> torch.Tensor:
 
 def _truth_run(
     original: nn.Module, batch: dict[str, torch.Tensor], head: str, grads: Grads, held: torch.device,
-    judge_values: Callable[[dict[str, Any]], None], *, keep: bool = False,
+    judge_values: Callable[[dict[str, Any]], None], *, keep: bool = False, scenario: Any = None,
 ) -> list[str]:
     """The original in fp64; each parameter's fp64 gradient is measured against the original's as it arrives.
 
@@ -375,7 +396,7 @@ def _truth_run(
         truth.mode.outputs_dropped = True  # ... and may write their gradient into them
 
     with _no_checkpointing(original), recomputed_layers(original, truth.mode):
-        _run(original, batch, forward_in=truth, between=between)
+        _run(original, batch, forward_in=truth, between=between, scenario=scenario)
     sink.flush()
     # A call the mode could not widen leaves the truth rounded there, like the original: the
     # original's error looks smaller, so the judge is stricter, never laxer. Named, not hidden.

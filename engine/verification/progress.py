@@ -34,6 +34,13 @@ class Progress:
             self.bar = tqdm(total=total, desc="patch-engine verify", unit="check", delay=delay, leave=False,
                             file=sys.stderr)
 
+    def grow(self, more: int) -> None:
+        """``more`` steps found once the work has started (the conditions of use chosen after the probe's time)."""
+        self.total += more
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.refresh()
+
     def step(self, what: str) -> None:
         self.done += 1
         if self.bar is not None:

@@ -79,6 +79,10 @@ class VerifyReport:
     sampled: int = 0
     #: Wall time of the verification, in seconds (set by :func:`engine.verification.verify`).
     seconds: float = 0.0
+    #: The conditions of use the whole model was also judged under (engine/_data/conditions.yaml), in order.
+    conditions: list[str] = field(default_factory=list)
+    #: Each declared condition that did not run, and why (it does not apply, or over apply's budget).
+    conditions_not_run: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -173,6 +177,7 @@ class VerifyReport:
             "judge": {"noise_factor": NOISE_FACTOR, "floor_ulps": FLOOR_ULPS, "truth": "fp64"},
             "sampled": self.sampled,
             "seconds": self.seconds,
+            "conditions": {"ran": list(self.conditions), "not_run": dict(self.conditions_not_run)},
             "modules": [
                 {**{k: v for k, v in row.items() if k not in ("errors", "allowed")},
                  "errors": {dt: {"max_abs": e[0], "max_rel": e[1],
@@ -191,10 +196,25 @@ class VerifyReport:
                 f"model dtype {self.model_dtype}, modules checked in {' and '.join(self.dtypes)}")
         if self.sampled:
             head += f" ({self.sampled} more patched modules not checked one by one: a sample of each class)"
+        if self.conditions or self.conditions_not_run:
+            head += f"; the whole model also under {len(self.conditions)} conditions of use"
+            if self.conditions_not_run:
+                head += f" ({len(self.conditions_not_run)} not run: see conditions_not_run)"
         return head
 
+    def conditions_text(self) -> str:
+        """Which conditions of use ran, and why each other did not: a line each."""
+        import textwrap
+
+        lines = [textwrap.fill(f"conditions of use run: {', '.join(self.conditions) or 'none'}", 118,
+                               subsequent_indent="  ")]
+        lines += [textwrap.fill(f"  not run: {name}: {why}", 118, subsequent_indent="    ")
+                  for name, why in self.conditions_not_run.items()]
+        return "\n".join(lines)
+
     def __str__(self) -> str:
-        return f"{self.headline()}\n{self.table()}\n{self.legend()}"
+        text = f"{self.headline()}\n{self.table()}\n{self.legend()}"
+        return f"{text}\n{self.conditions_text()}" if self.conditions or self.conditions_not_run else text
 
 
 #: A failing kernel check's note where its module's declaration failed: the kernel computes the

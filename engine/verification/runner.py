@@ -37,6 +37,7 @@ def verify(
     raise_on_failure: bool = True,
     offload: Offload = "auto",
     progress: ProgressOption = None,
+    conditions: Any = "all",
     **apply_kwargs: Any,
 ) -> VerifyReport:
     """Verify a patched model (or, given ``patchset``, patch an unpatched one, verify it, and revert it).
@@ -71,6 +72,13 @@ def verify(
         progress: modules checked out of the total (and the whole model) as a tqdm bar on stderr,
             shown once the work takes 2 s: ``None`` where stderr is a terminal, ``True``, ``False``, or
             ``fn(done, total, what)`` (:mod:`engine.verification.progress`).
+        conditions: the conditions of use (``engine/_data/conditions.yaml``: other lengths, padding, ``-100``
+            labels, ``num_items_in_batch``, eval, ``no_grad``, bf16/fp16/autocast, repeated calls, an optimizer
+            step, decoding with the cache, gradient checkpointing, another attention implementation) the whole
+            model is also judged under, each against the original under the same condition: ``"all"`` (default:
+            every one that applies), ``"budget"`` (in order, while their estimated time stays within the table's
+            ``budget_s``: what ``apply``'s self-verification and zero configuration run), None, or names. The report
+            lists which ran and why each other did not (``report.conditions``, ``report.conditions_not_run``).
 
     Raises:
         VerificationFailed: on any failed check (unless ``raise_on_failure=False``); the
@@ -92,7 +100,8 @@ def verify(
         apply(model, patchset, **apply_kwargs)
         try:
             return verify(model, batch=batch, modules=modules, check_model=check_model,
-                          raise_on_failure=raise_on_failure, offload=offload, progress=progress)
+                          raise_on_failure=raise_on_failure, offload=offload, progress=progress,
+                          conditions=conditions)
         finally:
             revert(model)  # also on failure: the model is exactly as it was
     state = model.__dict__.get(STATE_ATTR)
@@ -150,6 +159,7 @@ def verify(
         alongside = Alongside(during_original=lambda: recording(model, checked, captured, held),
                               after_original=check_captured, during_patched=during_patched)
         crashed = False
+        probe_started = time.perf_counter()
         try:
             model_checks = compare_models(model, batch, offload=held, alongside=alongside)
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -184,6 +194,9 @@ def verify(
             cls = d.cls if d.site is None else "function"
             report.checks.append(Check(d.path, cls, d.op, "called", "-", 0.0, 0.0, False, _NOT_CALLED, d.kernel or "-"))
     report.checks.extend(model_checks)
+    if check_model and conditions is not None and not crashed:
+        report.checks.extend(_under_conditions(model, batch, held, conditions, time.perf_counter() - probe_started,
+                                               report, shown))
     report.seconds = round(time.perf_counter() - started, 2)
     shown.close()
     if raise_on_failure and not report.passed:
@@ -191,6 +204,67 @@ def verify(
         error.report = report  # type: ignore[attr-defined]
         raise error
     return report
+
+
+def _under_conditions(model: nn.Module, batch: dict[str, Any], held: torch.device, names: Any, probe_seconds: float,
+                      report: VerifyReport, shown: Progress) -> list[Check]:
+    """The whole model under each chosen condition of use (:mod:`engine.verification.conditions`), its checks named
+    for it; which ran and why each other did not go into ``report``."""
+    from engine.verification.conditions import budget_seconds, chosen, declared, label_checks
+    from engine.verification.scenario import Scenario
+
+    wanted, report.conditions_not_run = chosen(model, names, probe_seconds)
+    budget = budget_seconds() if declared(names) == "budget" else None
+    checks: list[Check] = []
+    cls = type(model).__name__
+    started = time.perf_counter()
+    shown.grow(len(wanted))
+    for c in wanted:
+        shown.step(f"under {c.name}")
+        spent = time.perf_counter() - started
+        if budget is not None and spent + c.cost * probe_seconds > budget:  # the estimate was low: time decides
+            report.conditions_not_run[c.name] = (f"over the {budget:g} s budget of apply's check ({spent:.1f} s spent "
+                                                 "on the conditions before it): engine.verify(model) runs it")
+            continue
+        scenario = Scenario(c)
+        try:
+            found = compare_models(model, scenario.batch(model, batch), offload=held, scenario=scenario)
+            state = scenario.state_check(cls)
+            found += [state] if state is not None else []
+        except Exception as exc:
+            if _out_of_memory(exc):
+                raise
+            cause = _original_raises(model, batch, c)
+            if cause:
+                report.conditions_not_run[c.name] = f"the original model raises under it too ({cause})"
+                continue
+            text = " ".join(str(exc).split())[:300]
+            found = [Check(MODEL, cls, "-", "forward", "-", float("inf"), float("inf"), False,
+                           f"the patched model raised {type(exc).__name__}: {text}")]
+        checks += label_checks(found, c)
+        report.conditions.append(c.name)
+    return checks
+
+
+def _original_raises(model: nn.Module, batch: dict[str, Any], c: Any) -> str:
+    """What the original model raises under condition ``c`` ("" where it runs)."""
+    from engine.patching.patcher import original_forwards
+    from engine.verification.models import run
+    from engine.verification.scenario import Scenario
+
+    scenario = Scenario(c)
+    saved = [(p, p.grad) for p in model.parameters()]  # the caller's gradients, put back
+    for p, _ in saved:
+        p.grad = None
+    try:
+        with original_forwards(model):
+            run(model, scenario.batch(model, batch), scenario=scenario)
+    except Exception as exc:  # noqa: BLE001  (any failure of the original: the condition does not apply)
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    finally:
+        for p, grad in saved:
+            p.grad = grad
+    return ""
 
 
 def _check_one(d: Any, inputs: Any, model: nn.Module, named: dict[str, nn.Module], containers: set[str],
