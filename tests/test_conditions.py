@@ -207,3 +207,15 @@ def test_a_norm_with_state_or_a_cached_weight_is_not_declared_as_rms_norm(cls: t
         assert not _norm_patched(report), (env, report)
         x = torch.randint(0, 100, (1, 8))
         model(input_ids=x)  # the model still runs its own norms
+
+
+def test_the_documented_table_is_the_declared_one() -> None:
+    """docs/verification.md's table of conditions: a row for each declared condition, its words and cost as declared."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "verification.md").read_text(encoding="utf-8")
+    section = text[text.index("### Conditions of use"):text.index("### The judge")]
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
+    for c in table():
+        assert c.name in rows, f"docs/verification.md has no row for condition {c.name!r}"
+        assert rows[c.name] == f"| {c.name} | {c.what} | {c.catches} | {c.cost:g} |", rows[c.name]
