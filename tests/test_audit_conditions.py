@@ -298,3 +298,74 @@ def test_without_conditions_the_same_patches_pass_as_before(judged) -> None:
     reports = audit_many(model, [wrong_past_64_tokens, loss_scoring_ignored_labels], conditions=None)
     assert [r.verdict for r in reports] == ["passes", "passes"], [r.summary() for r in reports]
     assert not any(c.what.endswith("]") for r in reports for c in r.model_checks)
+
+
+# conditions that need another model or mode than the tiny qwen3 in train mode with eager attention
+
+
+def _eval_qwen3() -> nn.Module:
+    return tiny_for("qwen3").eval()
+
+
+def _sdpa_qwen3() -> nn.Module:
+    model = tiny_for("qwen3").train()
+    model.set_attn_implementation("sdpa")  # as from_pretrained loads it: eager is then the other implementation
+    return model
+
+
+def _gemma3() -> nn.Module:
+    return tiny_for("gemma3_text", sliding_window=24).train()  # past the probe's 16 tokens: the condition runs 33
+
+
+def _moe() -> nn.Module:
+    return tiny_for("qwen3_moe").train()
+
+
+def _attention_under(implementation: str, wrong: bool) -> Any:
+    def patch(model: nn.Module) -> None:
+        def wrap(self: nn.Module, own: Any, *a: Any, **k: Any) -> Any:
+            out, weights = own(self, *a, **k)
+            changed = wrong and self.config._attn_implementation == implementation
+            return (out * 1.01 if changed else out), weights
+        _each(model, "Qwen3Attention", wrap)
+    return _named(f"attention_wrong_under_{implementation}" if wrong else "attention_unchanged", patch)
+
+
+def _gemma_norms(model: nn.Module, wrap: Any) -> None:
+    _each(model, "Gemma3RMSNorm", lambda self, own, x: wrap(self, own, x) if x.dim() == 3 else own(self, x))
+
+
+def _past_window(wrong: bool) -> Any:
+    def patch(model: nn.Module) -> None:
+        window = model.config.sliding_window
+        _gemma_norms(model, lambda self, own, x: (own(self, x) * 1.01 if wrong else own(self, x.clone()))
+                     if x.shape[1] > window else own(self, x))
+    return _named("norm_wrong_past_the_window" if wrong else "norm_exact_past_the_window", patch)
+
+
+def _aux_loss(scale: float) -> Any:
+    def patch(model: nn.Module) -> None:
+        model.router_aux_loss_coef = model.router_aux_loss_coef * scale  # what the loss adds of the router's balance
+    return _named("router_aux_loss_x500" if scale != 1 else "router_aux_loss_as_it_was", patch)
+
+
+#: (the model, the patch that differs only under the condition, its exact twin, the condition)
+OTHER_PAIRS = [
+    (_eval_qwen3, *_norm_pair("train mode", lambda self, x: self.training), "train mode"),
+    (_sdpa_qwen3, _attention_under("eager", True), _attention_under("eager", False), "eager attention"),
+    (_gemma3, _past_window(True), _past_window(False), "past the sliding window"),
+    (_moe, _aux_loss(500.0), _aux_loss(1.0), "router logits"),
+]
+
+
+@pytest.mark.parametrize(("build", "wrong", "exact", "condition"), OTHER_PAIRS, ids=[p[3] for p in OTHER_PAIRS])
+def test_a_patch_wrong_only_under_a_condition_of_another_model_differs_and_its_twin_passes(
+        build, wrong, exact, condition) -> None:
+    model = build()
+    original = measure_first(model, conditions=[condition])
+    assert original.conditions, f"{condition} does not apply to {type(model).__name__}"
+    report, twin = audit_many(model, [wrong, exact], original=original)
+    failed = [c.what for c in report.model_checks if not c.passed]
+    assert report.verdict == "differs" and any(w.endswith(f"[{condition}]") for w in failed), report.summary()
+    assert all(w.endswith("]") for w in failed), failed
+    assert twin.verdict in ("passes", "unchanged"), twin.summary()  # x 1.0: the same numbers, "changed nothing"
