@@ -59,7 +59,10 @@ def judge_change(change: Change, rec: Recorded | None, patched: Any, original: A
     passed, note = judge(got, rec.expected, rec.truth)
     row.ratio, row.note = _ratio(got, rec.expected, rec.truth), note
     explanation = _explain(change, original, args, kwargs, rec.expected, got, rec.truth)
-    row.result = "passes" if passed and not (explanation and explanation.another) else "differs"
+    # one rule for where a kernel rounds, whatever the op: another cast order or precision is judged by its
+    # accuracy (below), as a kernel no declaration reproduces is; another scale, activation or layout differs
+    rounding = bool(explanation and explanation.another and set(explanation.keys) <= ROUNDING_KEYS)
+    row.result = "passes" if passed and not (explanation and explanation.another and not rounding) else "differs"
     if explanation is not None:
         row.explanation = explanation.text
         if explanation.another and explanation.exact:  # another declaration, reproduced: exact arithmetic's finding
@@ -68,13 +71,22 @@ def judge_change(change: Change, rec: Recorded | None, patched: Any, original: A
         if row.result == "differs" and not explanation.another and explanation.exact:
             row.explanation = (f"the declaration the original computes ({explanation.original}), beyond its "
                                "rounding error: the kernel's own arithmetic differs, not the declaration")
-    if row.result == "passes" and not (explanation and explanation.exact):
+    if row.result == "passes" and (rounding or not (explanation and explanation.exact)):
         coarser = less_accurate(got, rec.expected, rec.truth)
-        if coarser is not None:  # nothing we know reproduces it, and it is further from fp64 than the original
+        if coarser is not None and rounding:  # another rounding order, and a coarser one
+            row.result = "differs"
+            row.note = (f"its mean error against fp64 is {coarser:.2f}x the original's: it rounds more than the "
+                        "original, not only otherwise")
+            row.explanation = f"{row.explanation}; {row.note}" if row.explanation else ""
+        elif coarser is not None:  # nothing we know reproduces it, and it is further from fp64 than the original
             row.result = "differs"
             row.note = (f"no declaration reproduces it to the ulp, and its mean error against fp64 is {coarser:.2f}x "
                         "the original's: it rounds more (a step in a lower precision), not only otherwise")
             row.explanation = f"{row.explanation}; {row.note}" if row.explanation else ""
+        elif rounding:  # another rounding order, no coarser: as a kernel that rounds once less passes, any op
+            row.note = (f"{row.note}; " if row.note else "") + (
+                "it rounds otherwise (another cast order or precision), within the original's rounding error and not "
+                "less accurate against fp64: passes, as a fused kernel that rounds once less passes")
     if change.judged == "through":
         row.note = (row.note + "; " if row.note else "") + f"judged by running {_via(change)} again with it in place"
     return row
