@@ -87,14 +87,13 @@ def capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], Any
 
         return observe
 
-    from engine.verification.probes import probe_batch
+    from engine.verification.probes import probe_batch, unlabelled
 
     batch = probe_batch(model, seq=16)
     ids = batch["input_ids"]
-    images = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}  # GIT's inline images
     try:
         with routing.observing(named, observer_for), torch.no_grad(), torch_path(model):  # routed first, as before
-            model(input_ids=ids, **images)
+            model(**unlabelled(model, batch))  # with GIT's inline images, an encoder-decoder's decoder ids
             try:  # prefill then one cached token: reaches functions only decode calls
                 out = model(input_ids=ids[:, :-1], use_cache=True)
                 if getattr(out, "past_key_values", None) is not None:

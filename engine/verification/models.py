@@ -325,6 +325,8 @@ def _run(model: nn.Module, batch: dict[str, torch.Tensor], forward_in: Any = Non
                 out = scenario.call(model, batch) if scenario is not None else model(**batch)
                 if getattr(out, "loss", None) is None and "last_hidden_state" in out:
                     out["loss"] = surrogate_loss(out.last_hidden_state)
+                elif getattr(out, "loss", None) is None and getattr(out, "logits", None) is not None:
+                    out["loss"] = surrogate_loss(out.logits)  # a head whose forward takes no labels (DiffusionGemma)
             if between is not None:
                 between(out)
             if scenario is None or scenario.backward:
@@ -348,7 +350,8 @@ def surrogate_loss(hidden: torch.Tensor) -> torch.Tensor:
 
     Why: a text model without a head (Qwen2VLTextModel, ...) returns hidden states, not logits;
     every parameter still gets a gradient through them, so the gradients are compared as for a
-    causal LM.
+    causal LM. A model with a head whose forward takes no labels and returns only logits
+    (DiffusionGemma's block diffusion) gets the mean square of its logits, for the same reason.
     """
     return hidden.float().square().mean()
 

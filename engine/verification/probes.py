@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,8 +42,12 @@ def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 
     if text is not config:  # image/video token ids live on the composite config
         special = [v for k, v in vars(config).items() if k.endswith(("token_id", "token_index")) and isinstance(v, int)]
         vocab = min([vocab, *(v for v in special if v > 8)])
+    seq = axial_length(text, model) or seq
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
+    per_codebook = codebook_layout(model, text)
+    if per_codebook is not None:  # ids and labels laid out by more than (batch, seq): MusicGen's codebooks
+        return per_codebook(vocab, batch, seq, gen, device)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
     images: dict[str, torch.Tensor] = {}
     if text is not config:  # a composite that cannot run on token ids alone (BLIP-2): its images, query tokens
@@ -54,10 +60,67 @@ def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 
         return {"input_ids": ids, **images}
     labels = ids.clone()
     labels[:, : ids.shape[1] - seq] = -100  # query tokens: the image's place, not text to predict
-    return {"input_ids": ids, "labels": labels, **images, **inline_images(model, batch=batch, seed=seed)}
+    return {"input_ids": ids, "labels": labels, **images, **inline_images(model, batch=batch, seed=seed, seq=ids.shape[1])}
 
 
-def inline_images(model: nn.Module, *, batch: int, seed: int) -> dict[str, torch.Tensor]:
+#: An input's documented shape in a transformers docstring: ``labels (`torch.LongTensor` of shape `(b, s, k)`...``.
+_DOCUMENTED = re.compile(r"(\w+) \(`torch\.\w+` of shape `\(([^)]*)\)`")
+#: The probe's own dimensions, by the names transformers' docstrings give them.
+_PROBE_DIMS = {"batch_size": "batch", "sequence_length": "seq", "target_sequence_length": "seq"}
+
+
+def codebook_layout(model: nn.Module, text: Any) -> Callable[..., dict[str, torch.Tensor]] | None:
+    """How to draw ids and labels for a model whose labels have a dimension of the config's (None: (batch, seq)).
+
+    Why: an audio decoder reads several codebooks per step (MusicGen: ids of ``(batch_size *
+    num_codebooks, sequence_length)``, labels of ``(batch_size, sequence_length, num_codebooks)``,
+    one loss per codebook); labels of (batch, seq) do not fit its loss. The layout is read from the
+    forward's own documentation of ``input_ids`` and ``labels``, each dimension a product of the
+    probe's sizes and integer sizes of the (text) config; the labels are the ids' tokens in their
+    order (the same token at the same codebook and step), as a user's training batch holds them.
+    None where the labels are documented as (batch, seq), not documented, or a dimension is
+    neither the probe's nor the config's.
+    """
+    if not takes_labels(model):
+        return None
+    shapes = {name: [[f.strip() for f in dim.split("*")] for dim in shape.split(",")]
+              for name, shape in _DOCUMENTED.findall(inspect.getdoc(model.forward) or "")}
+    ids_dims, label_dims = shapes.get("input_ids"), shapes.get("labels")
+    if ids_dims is None or label_dims is None or all(len(d) == 1 and d[0] in _PROBE_DIMS for d in label_dims):
+        return None
+    order = [f for dim in ids_dims for f in dim]
+    if sorted(order) != sorted(f for dim in label_dims for f in dim) or len(set(order)) != len(order):
+        return None  # labels not the ids' tokens rearranged: not a layout this probe draws
+    config_sizes = {f: getattr(text, f, None) for f in order if f not in _PROBE_DIMS}
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in config_sizes.values()):
+        return None
+
+    def draw(vocab: int, batch: int, seq: int, gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+        sizes = {**{k: {"batch": batch, "seq": seq}[v] for k, v in _PROBE_DIMS.items()}, **config_sizes}
+        tokens = torch.randint(0, vocab, [sizes[f] for f in order], generator=gen).to(device)
+        flat = [f for dim in label_dims for f in dim]
+        labels = tokens.permute(*(order.index(f) for f in flat)).contiguous()
+        ids = tokens.reshape([math.prod(sizes[f] for f in dim) for dim in ids_dims])
+        labels = labels.reshape([math.prod(sizes[f] for f in dim) for dim in label_dims])
+        return {"input_ids": ids, "labels": labels}
+
+    return draw
+
+
+def axial_length(text: Any, model: nn.Module) -> int | None:
+    """The one sequence length a model with axial position embeddings trains on (their factors' product), else None.
+
+    Why: Reformer's axial position embeddings are a grid of ``axial_pos_shape`` factors, and in training
+    its forward takes only a sequence that fills the grid (``make sure that config.axial_pos_shape factors
+    ... multiply to sequence length``); read off the config as its forward reads it.
+    """
+    shape = getattr(text, "axial_pos_shape", None)
+    if not model.training or not getattr(text, "axial_pos_embds", False) or not isinstance(shape, (list, tuple)):
+        return None
+    return math.prod(int(f) for f in shape) if shape and all(isinstance(f, int) for f in shape) else None
+
+
+def inline_images(model: nn.Module, *, batch: int, seed: int, seq: int | None = None) -> dict[str, torch.Tensor]:
     """``batch`` random images for a captioning causal LM whose text decoder reads them inline, else nothing.
 
     Why: such a model (GIT: one config, its ``vision_config`` beside the decoder's keys, no text
@@ -66,6 +129,10 @@ def inline_images(model: nn.Module, *, batch: int, seed: int) -> dict[str, torch
     the scored slice is empty (``Expected input batch_size (0) to match target batch_size``) or
     misaligned. With the images it trains as it is used, and the vision tower is in the
     whole-model check too. A composite model (a text sub-config) is probed on text alone.
+
+    A decoder that cross-attends to its images (IDEFICS: its forward takes ``image_attention_mask``,
+    which text position sees which image) reads them per sample, ``(batch, images, C, H, W)``: one
+    image each, seen from every position of the ``seq`` tokens.
     """
     from engine.tiny import tiny_vision_inputs
 
@@ -79,7 +146,26 @@ def inline_images(model: nn.Module, *, batch: int, seed: int) -> dict[str, torch
     if any(im is None or set(im) != {"pixel_values"} or im["pixel_values"].dim() != 4 for im in images):
         return {}  # a tower of another input convention: not one this probe knows how to draw
     device = next(model.parameters()).device
-    return {"pixel_values": torch.cat([im["pixel_values"] for im in images]).to(device)}
+    pixels = torch.cat([im["pixel_values"] for im in images]).to(device)
+    if "image_attention_mask" in inspect.signature(model.forward).parameters and seq is not None:
+        return {"pixel_values": pixels.unsqueeze(1), "image_attention_mask": torch.ones(
+            batch, seq, 1, dtype=torch.long, device=device)}
+    return {"pixel_values": pixels}
+
+
+def unlabelled(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` for a forward without labels: an encoder-decoder's decoder then reads the batch's token ids.
+
+    Why: an encoder-decoder (T5Gemma 2, UDOP) makes its decoder's ids from the labels (shifted right
+    inside its forward); without labels and without ``decoder_input_ids`` its decoder has no input
+    (``You must specify exactly one of input_ids or inputs_embeds``) and no module is reached.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    ids = batch.get("input_ids")
+    takes = inspect.signature(model.forward).parameters
+    if "decoder_input_ids" in takes and "decoder_input_ids" not in inputs and isinstance(ids, torch.Tensor):
+        inputs["decoder_input_ids"] = ids
+    return inputs
 
 
 def takes_labels(model: nn.Module) -> bool:
@@ -97,7 +183,7 @@ def capture_inputs(
     """
     captured: dict[str, Any] = {}
     with recording(model, decisions, captured, held), torch.no_grad():
-        model(**{k: v for k, v in batch.items() if k != "labels"})
+        model(**unlabelled(model, batch))
         if any(d.path not in captured for d in decisions):
             _vision_step(model)
         if any(d.path not in captured for d in decisions):

@@ -142,6 +142,9 @@ def tiny_copy(model: nn.Module, *, seed: int = 0) -> nn.Module:
             small = make()
         except InvalidArgument:  # not transformers' config class of its type: no type sizes to try
             continue
+        except Exception as exc:  # noqa: BLE001  (sizes its config class refuses: T5Gemma 2's encoder and
+            tried.append((what, exc))  # decoder widths must agree, which the rules shrink apart; the next candidate)
+            continue
         try:
             tiny = _built(cls, small, seed)
             adopt_classes(tiny, model)  # the user's own module classes where they replaced transformers' (same layout)
@@ -195,7 +198,8 @@ _STAGES = (
     "the engine's probe inputs cannot be made from its config",
     "its forward fails on the engine's probe inputs",
     "its loss does not take the engine's probe labels",
-    "it returns neither a loss nor hidden states on the engine's probe inputs, so no training step can be compared",
+    ("it returns neither a loss, hidden states nor logits on the engine's probe inputs, so no training step can be "
+     "compared"),
     "its vision tower fails on the engine's probe images",
 )
 
@@ -203,8 +207,8 @@ _STAGES = (
 def _runs_on_probes(tiny: nn.Module) -> None:
     """Raise :class:`_NotRunning` where the tiny copy fails as the scaffold and the verifier run it, else nothing.
 
-    The probe batch with its labels (the verifier's whole-model check), whose output must hold a loss
-    or the hidden states the verifier's surrogate loss reads (``engine.verification.models._run``), then
+    The probe batch with its labels (the verifier's whole-model check), whose output must hold a loss,
+    or the hidden states or logits the verifier's surrogate loss reads (``engine.verification.models._run``), then
     the vision step, which may fail only as the verifier's ``_vision_step`` lets it (a ``RuntimeError``
     stops the verification).
     """
@@ -234,7 +238,8 @@ def _runs_on_probes(tiny: nn.Module) -> None:
             except Exception:  # noqa: BLE001
                 raise _NotRunning(1, exc, inputs) from exc
             raise _NotRunning(2, exc, inputs) from exc
-        if getattr(out, "loss", None) is None and not (isinstance(out, dict) and "last_hidden_state" in out):
+        if getattr(out, "loss", None) is None and not (isinstance(out, dict) and "last_hidden_state" in out) \
+                and getattr(out, "logits", None) is None:
             raise _NotRunning(3, None, inputs)
         pixels = tiny_vision_inputs(tiny)
         try:
