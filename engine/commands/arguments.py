@@ -36,18 +36,25 @@ def release_policy(value: str | None) -> Iterator[None]:
     Why the variable: every entry point reads it where no keyword says otherwise (the planner,
     a tiny model's build, coverage, a checkpoint's verification), so one flag reaches them all.
     """
+    with _variable(RELEASE_ENV_VAR, value):
+        yield
+
+
+@contextlib.contextmanager
+def _variable(name: str, value: str | None) -> Iterator[None]:
+    """``$name`` set to ``value`` for the block (left as it is where ``value`` is None), put back after it."""
     if value is None:
         yield
         return
-    before = os.environ.get(RELEASE_ENV_VAR)
-    os.environ[RELEASE_ENV_VAR] = value
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(RELEASE_ENV_VAR, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[RELEASE_ENV_VAR] = before
+            os.environ[name] = before
 
 
 def conditions_argument(p: argparse.ArgumentParser) -> None:
@@ -74,15 +81,8 @@ def conditions_scope(value: str | None) -> Iterator[None]:
         from engine.errors import InvalidArgument
 
         raise InvalidArgument(f"--conditions {value}: {exc}") from None
-    before = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = value
-    try:
+    with _variable(ENV_VAR, value):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = before
 
 
 def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
