@@ -197,7 +197,8 @@ class VerifyReport:
         if self.sampled:
             head += f" ({self.sampled} more patched modules not checked one by one: a sample of each class)"
         if self.conditions or self.conditions_not_run:
-            head += f"; the whole model also under {len(self.conditions)} conditions of use"
+            n = len(self.conditions)
+            head += f"; the whole model also under {n} condition{'' if n == 1 else 's'} of use"
             if self.conditions_not_run:
                 head += f" ({len(self.conditions_not_run)} not run: see conditions_not_run)"
         return head
