@@ -8,7 +8,8 @@ forward demands ``pixel_values``, as BLIP-2's), its language model is measured i
 from the composite's own ``text_config``, and the patchset says so. Its classes are the ones the
 composite holds, so the declarations are the composite's too. The scaffold
 (:mod:`engine.scaffolding`), ``patch-engine coverage`` and benchmarks/tiny_every_type.py all take
-their model from here.
+their model from here; coverage never counts a stand-in for its composite: it counts what
+``engine.apply(model)`` does on the composite itself (:func:`engine.commands.coverage_measured.composite_entry`).
 """
 
 from __future__ import annotations
