@@ -369,3 +369,25 @@ def test_a_patch_wrong_only_under_a_condition_of_another_model_differs_and_its_t
     assert report.verdict == "differs" and any(w.endswith(f"[{condition}]") for w in failed), report.summary()
     assert all(w.endswith("]") for w in failed), failed
     assert twin.verdict in ("passes", "unchanged"), twin.summary()  # x 1.0: the same numbers, "changed nothing"
+
+
+def test_the_summary_says_the_probe_passes_only_where_nothing_found_on_it_differs() -> None:
+    """A condition's finding beside a change that differs on the probe's own recorded inputs (Liger's OLMo 2 in bf16:
+    its norms' cast order, and its loss under length 1): only the probe's whole-model checks pass, and the summary
+    says that, not that the probe passes."""
+    from engine.auditing.report import AuditReport, Row
+    from engine.verification.results import Check
+
+    def check(what: str, passed: bool) -> Check:
+        return Check("<model>", "Olmo2ForCausalLM", "-", what, "bf16", 0.001, 0.0, passed, "")
+    checks = [check("logits (no labels)", True), check("loss", True), check("grads", True),
+              check("logits [length 1]", True), check("loss [length 1]", False)]
+    norm = Row("model.norm", "Olmo2RMSNorm", "forward replaced", "LigerRMSNorm.forward", "differs", 0.03, 2.4,
+               explanation="computes cast: llama where Olmo2RMSNorm.forward computes cast: fp32 (exactly)")
+    report = AuditReport("liger", "Olmo2ForCausalLM", "olmo2", "bf16", rows=[norm], model_checks=checks)
+    said = report.summary()
+    assert "loss differs with length 1" in said and "Olmo2RMSNorm differs" in said, said
+    assert "the probe's logits, loss and grads (16 tokens, no padding, no -100 label) pass" in said, said
+    assert "the probe (16 tokens" not in said, said
+    report.rows = []
+    assert "the probe (16 tokens, no padding, no -100 label) passes" in report.summary()

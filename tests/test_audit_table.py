@@ -3,7 +3,10 @@
 The subset is Liger's llama (passes) and OLMo 2 (differs in bf16: its casting mode), each in fp32 and
 bf16, with our patchset beside them, run as the full table runs them (a worker process per stack, one
 audit per cell, Liger's Triton kernels under Triton's interpreter): about a minute of CPU (63 s measured,
-four worker processes), so CI runs it as a step of its own (.ci/audit), not in the suite's 15 minutes.
+four worker processes), so CI runs it as a step of its own (.ci/audit), not in the suite's 15 minutes. It runs
+on the probe only (conftest.py: ``PATCH_ENGINE_AUDIT_CONDITIONS=none``): the published rows of the subset were rerun
+with the conditions of use (docs/audit.md, 39 min of cell time) and kept every verdict the probe gives them, which is
+what this compares.
 """
 
 from __future__ import annotations
@@ -114,3 +117,70 @@ def test_a_type_with_one_dtype_measured_runs_the_other_only(tmp_path: Path) -> N
                      cells_file=cells_file)
     assert [(c["dtype"], c["verdict"]) for c in got] == [("fp32", "passes"), ("bf16", "unchecked")]
     assert sorted(c["dtype"] for c in _read_cells(cells_file)) == ["bf16", "fp32"]
+
+
+def test_a_page_with_some_cells_judged_under_the_conditions_says_which_rows() -> None:
+    """Cells measured under the conditions of use beside cells carried over from a probe-only table: each row says
+    which it is (``with conditions``, ``probe only``), and the page says how many cells had them."""
+    from engine.commands.audit_render import render_markdown
+
+    def c(stack: str, model_type: str, dtype: str, conditions: list[str] | None = None, previous: bool = False):
+        out = {"stack": stack, "model_type": model_type, "dtype": dtype, "verdict": "passes", "text": "bit-equal",
+               "seconds": 5.0}
+        return out | ({"conditions": conditions} if conditions is not None else {}) | (
+            {"previous": True} if previous else {})
+    under = ["left padding", "length 17"]
+    cells = [c("liger", "llama", d, under) for d in ("fp32", "bf16")] + [c("patchset", "llama", d, under)
+                                                                       for d in ("fp32", "bf16")]
+    cells += [c("liger", "qwen3", d, under) for d in ("fp32", "bf16")]
+    cells += [c("patchset", "qwen3", d, previous=True) for d in ("fp32", "bf16")]
+    cells += [c(s, "mistral", d, previous=True) for s in ("liger", "patchset") for d in ("fp32", "bf16")]
+    data = {"generated_in_seconds": 1.0, "command": "c", "cells": cells,
+            "stacks": {"liger": {"types": ["llama", "mistral", "qwen3"]}, "patchset": {"types": []}}}
+    page = render_markdown(data, png="a.png")
+    rows = {line.split(" | ")[0][2:]: line for line in page.splitlines() if line.startswith("| ") and " s" in line}
+    assert rows["llama"].endswith("| 10 s, with conditions |"), rows["llama"]
+    assert rows["qwen3"].endswith("| 10 s, with conditions; ours previous audit, probe only |"), rows["qwen3"]
+    assert rows["mistral"].endswith("| 10 s, previous audit; ours previous audit, probe only |"), rows["mistral"]
+    assert "6 cells were also judged under the conditions of use" in page
+
+
+def test_a_cell_says_which_conditions_its_whole_model_was_judged_under() -> None:
+    from engine.commands.audit_table import _conditions
+    from engine.verification.results import Check
+
+    def check(what: str) -> Check:
+        return Check("<model>", "LlamaForCausalLM", "model", what, "fp32", 0.0, 0.0, True, "")
+
+    class Report:
+        def __init__(self, checks: list[Check]) -> None:
+            self.model_checks = checks
+    checks = [check("logits (no labels)"), check("loss"), check("logits [left padding]"),
+              check("grads [left padding]"), check("loss [length 17]")]
+    assert _conditions(Report(checks)) == ["left padding", "length 17"]
+    assert _conditions(Report(checks[:2])) == []
+
+
+def test_a_page_from_the_cells_keeps_a_stack_whose_venv_is_not_here_from_the_previous_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--from-cells --previous``: a stack whose interpreter cannot say its claims here (twinkle's venv is elsewhere)
+    keeps the previous table's rows, marked, instead of losing its section."""
+    from engine.commands import audit_table
+
+    def ask(python: str, stack: str, extra: str | None = None) -> dict:
+        if stack == "twinkle":  # its claims are a list of ours, its package is not here
+            return {"stack": stack, "types": ["qwen3"], "version": None}
+        if stack == "llamafactory-v1":
+            return {"stack": stack, "types": [], "error": "ModuleNotFoundError: No module named 'llamafactory'"}
+        return {"stack": stack, "types": ["qwen3"], "version": "0.1.0"}
+    monkeypatch.setattr(audit_table, "_ask_claims", ask)
+    previous = [{"stack": s, "model_type": "qwen3", "dtype": d, "verdict": "passes", "text": "bit-equal",
+                 "seconds": 2.0} for s in ("twinkle", "llamafactory-v1", "patchset") for d in ("fp32", "bf16")]
+    stacks = {s: {"stack": s, "types": ["qwen3"], "version": "0.5.1", "seconds": 358.2}
+              for s in ("twinkle", "llamafactory-v1")}
+    data = audit_table.generate({}, ("twinkle", "llamafactory-v1"), None, 1.0, log=io.StringIO(),
+                                cells_file=tmp_path / "c.jsonl", run=False, previous=previous, previous_stacks=stacks)
+    assert [(data["stacks"][s]["version"], data["stacks"][s]["seconds"]) for s in stacks] == [("0.5.1", 358.2)] * 2
+    assert sorted((c["stack"], c["dtype"], c.get("previous")) for c in data["cells"]) == [
+        (s, d, True) for s in ("llamafactory-v1", "patchset", "twinkle") for d in ("bf16", "fp32")]
+    assert "### twinkle" in render_markdown(data, png="a.png")

@@ -193,7 +193,7 @@ class AuditReport:
         grouped = _grouped(bad)
         parts = [_finding(r) for r in grouped if not self._on_reading(r) or r.result != "differs"]
         apart = [_finding(r) for r in grouped if self._on_reading(r) and r.result == "differs"]
-        (apart if self.reading_only else parts).extend(_failed(failed, self.model_checks))
+        (apart if self.reading_only else parts).extend(_failed(failed, self.model_checks, bool(bad)))
         if apart:
             parts.append(f"on {self.reading}'s reading only (not exact arithmetic; a device may differ): "
                          + "; ".join(apart))
@@ -253,9 +253,11 @@ class AuditReport:
         }
 
 
-def _failed(failed: list[Check], checks: list[Check]) -> list[str]:
+def _failed(failed: list[Check], checks: list[Check], rows_fail: bool = False) -> list[str]:
     """``logits differs`` for the probe's checks; ``logits, loss differ with left padding`` for a condition's, and
-    where the probe's own checks pass, that they do: the condition is what shows it."""
+    where the probe's own checks pass, that they do: the condition is what shows it. ``rows_fail``: a change found
+    differs (or is unchecked) on the inputs the probe recorded, so the probe does not pass: only its whole-model
+    checks do (Liger's OLMo 2 in bf16: its norms' cast order differs on the probe, its loss under length 1)."""
     out = [f"{c.what} differs" for c in failed if not c.what.endswith("]")]
     heads: dict[str, list[str]] = {}
     for c in failed:
@@ -268,7 +270,8 @@ def _failed(failed: list[Check], checks: list[Check]) -> list[str]:
     out += [f"{', '.join(whats)} differ{'s' if len(whats) == 1 else ''} with {', '.join(names)}"
             for whats, names in under.items()]
     if under and probe:
-        out.append("the probe (16 tokens, no padding, no -100 label) passes")
+        out.append("the probe's logits, loss and grads (16 tokens, no padding, no -100 label) pass" if rows_fail else
+                   "the probe (16 tokens, no padding, no -100 label) passes")
     return out
 
 

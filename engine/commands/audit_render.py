@@ -48,6 +48,11 @@ def render_markdown(data: dict[str, Any], *, png: str) -> str:
         lines[-1] += (f" {len(data['cells']) - carried - waiting} cells are this audit's; {carried} are carried over "
                       "from the previous table (an earlier version of the audit), and the time column says `previous "
                       f"audit` for each of them; {waiting} are not run yet.")
+    under = [c for c in data["cells"] if c.get("conditions")]
+    if under and len(under) < len(data["cells"]):
+        lines[-1] += (f" {len(under)} cells were also judged under the conditions of use (those of "
+                      "`engine/_data/conditions.yaml` marked `audit` that apply to the model), and their rows' time "
+                      "column says `with conditions`; the others were judged on the probe only (`probe only`).")
     lines.append("")
     lines += ["| stack | version | transformers | torch | model types claimed | time |", "|---|---|---|---|---|---|"]
     for stack, info in data["stacks"].items():
@@ -76,13 +81,24 @@ def render_markdown(data: dict[str, Any], *, png: str) -> str:
 
 
 def _previous(cells: dict[tuple[str, str, str], dict[str, Any]], stack: str, model_type: str) -> str:
-    """Which of a row's cells are carried over from the previous table (not this audit's): '' when none."""
+    """Which of a row's cells are carried over from the previous table (not this audit's): '' when none; where some
+    cells of the table were judged under the conditions of use, whether this row's were (``with conditions``) or not
+    (``probe only``)."""
     def old(s: str) -> list[str]:
         return [d for d in ("fp32", "bf16") if (cells.get((s, model_type, d)) or {}).get("previous")]
+
+    def judged(s: str, under: bool) -> list[str]:
+        return [d for d in ("fp32", "bf16") if (s, model_type, d) in cells and cells[(s, model_type, d)]["verdict"]
+                not in ("not run", "not claimed") and bool(cells[(s, model_type, d)].get("conditions")) == under]
+    mixed = any(c.get("conditions") for c in cells.values())
     parts = []
+    if mixed and judged(stack, True):
+        parts.append("with conditions" + ("" if len(judged(stack, True)) == 2 else f" ({judged(stack, True)[0]})"))
     for who, dtypes in (("", old(stack)), ("ours ", old("patchset"))):
         if dtypes:
             parts.append(who + ("" if len(dtypes) == 2 else dtypes[0] + " ") + "previous audit")
+    if mixed and (judged(stack, False) or judged("patchset", False)) and parts[-1:] != ["with conditions"]:
+        parts[-1:] = [(parts[-1] + ", " if parts else "") + "probe only"]
     return ", " + "; ".join(parts) if parts else ""
 
 

@@ -80,8 +80,16 @@ def cell(stack: str, model_type: str, dtype: str) -> dict[str, Any]:
                 "seconds": round(time.perf_counter() - started, 1)}
     return {**out, "verdict": report.verdict, "text": _cell_text(report), "worst_ratio": _finite(report.worst_difference),
             "summary": report.summary(), "environment": report.environment, "patch": report.patch,
-            "reading": report.reading, "reading_only": report.reading_only,
+            "reading": report.reading, "reading_only": report.reading_only, "conditions": _conditions(report),
+            "model_ratios": {k: _finite(v) for k, v in report.model_ratios.items()},
             "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _conditions(report: Any) -> list[str]:
+    """The conditions of use the cell's whole model was judged under (``[]``: the probe only), in the order run."""
+    from engine.verification.conditions import condition_of
+
+    return [n for n in dict.fromkeys(condition_of(c.what) for c in report.model_checks) if n]
 
 
 def _buildable(model_type: str) -> bool:
@@ -287,14 +295,17 @@ def carry_previous(cells: list[dict[str, Any]], previous: list[dict[str, Any]]) 
 
 def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] | None, timeout: float,
              log: Any = sys.stderr, paths: dict[str, str] | None = None, cells_file: Path | None = None,
-             run: bool = True, previous: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+             run: bool = True, previous: list[dict[str, Any]] | None = None,
+             previous_stacks: dict[str, Any] | None = None) -> dict[str, Any]:
     """Claims, then every cell, then ours for every type any stack claims; returns the results file's content.
 
     ``pythons``: a stack's interpreter (default: this one); ``paths``: a folder put on that stack's
     ``PYTHONPATH`` (twinkle's venv has no liger-kernel: a folder linking this venv's gives it its liger fallbacks).
     ``run=False``: audit nothing, only what ``cells_file`` holds (the rest ``not run``, or from ``previous``,
     marked so). The stacks' and the whole table's times are then the sums of their current cells' times,
-    as they are when every cell came from the file.
+    as they are when every cell came from the file. ``previous_stacks`` (with ``run=False``): a stack whose
+    interpreter cannot say its claims here or has not the package (twinkle's venv is not on this machine) takes
+    them, its versions and its time from the earlier results, so its rows stay on the page as the previous table's instead of vanishing.
     """
     started = time.perf_counter()
     paths = paths or {}
@@ -303,12 +314,15 @@ def generate(pythons: dict[str, str], stacks: tuple[str, ...], only: list[str] |
     for stack in stacks:
         python, extra = pythons.get(stack, sys.executable), paths.get(stack)
         info[stack] = _ask_claims(python, stack, extra) | {"python": python, "extra_path": extra}
+        if not run and stack in (previous_stacks or {}) and (info[stack].get("error") or not info[stack].get("version")):
+            info[stack] = {**previous_stacks[stack], "previous": True}  # type: ignore[index]
         types = [t for t in info[stack]["types"] if only is None or t in only]
         print(f"{stack}: {len(types)} model types ({python})", file=log, flush=True)
         stack_started = time.perf_counter()
         stack_cells = _run_cells(python, stack, types, DTYPES, timeout, log, extra, cells_file, run)
         cells += stack_cells
-        info[stack]["seconds"] = _seconds(stack_cells, time.perf_counter() - stack_started)
+        if not info[stack].get("previous"):  # a stack not here keeps the time its table took
+            info[stack]["seconds"] = _seconds(stack_cells, time.perf_counter() - stack_started)
     ours_info = _ask_claims(sys.executable, "patchset")
     union = sorted({c["model_type"] for c in cells if c["verdict"] != "not claimed"} & set(ours_info["types"]))
     ours_started = time.perf_counter()
@@ -361,9 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         cells_file.unlink(missing_ok=True)
     if args.previous and not args.from_cells:
         parser.error("--previous fills a --from-cells table; a run audits every cell it lacks")
-    previous = json.loads(Path(args.previous).read_text())["cells"] if args.previous else None
+    earlier = json.loads(Path(args.previous).read_text()) if args.previous else None
     data = generate(pythons, tuple(args.stacks.split(",")), args.types.split(",") if args.types else None, args.timeout,
-                    paths=paths, cells_file=cells_file, run=not args.from_cells, previous=previous)
+                    paths=paths, cells_file=cells_file, run=not args.from_cells,
+                    previous=earlier["cells"] if earlier else None, previous_stacks=earlier["stacks"] if earlier else None)
     if args.from_cells:  # the command that wrote this page: its cells were measured by earlier runs of it
         data["command"] += " --from-cells" + (f" --previous {args.previous}" if args.previous else "")
     Path(args.results).write_text(json.dumps(data, indent=1) + "\n")
