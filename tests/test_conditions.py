@@ -221,3 +221,22 @@ def test_the_documented_table_is_the_declared_one() -> None:
     for c in table():
         assert c.name in rows, f"docs/verification.md has no row for condition {c.name!r}"
         assert rows[c.name] == f"| {c.name} | {c.what} | {c.catches} | {c.cost:g} |", rows[c.name]
+
+
+def test_a_label_less_low_precision_loss_is_judged_by_its_logits_noise() -> None:
+    """One token or decoding scores no token: the loss is the logits' mean square. In bf16 its noise comes from the
+    logits' own errors (not from how close one number landed to its truth by luck): a patched loss off by that much
+    passes, one off by far more fails."""
+    from engine.verification.low_precision import judge_loss
+    from engine.verification.verdicts import loss_noise
+
+    gen = torch.Generator().manual_seed(0)
+    exact = torch.randn(2, 5, 64, generator=gen, dtype=torch.float64)
+    original = exact.to(torch.bfloat16)
+    typical = loss_noise({"logits": ("logits", None, original)}, "logits", {"logits": exact, "loss": exact.square()
+                                                                               .mean()}, {"input_ids": None})
+    assert typical is not None and typical > 0
+    want = original.float().square().mean()
+    truth = exact.square().mean().float()
+    assert judge_loss(want + typical, want, truth, typical)[0]
+    assert not judge_loss(want + 100 * typical, want, truth, typical)[0]
