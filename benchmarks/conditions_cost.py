@@ -334,7 +334,7 @@ def markdown(data: dict[str, Any]) -> str:
     where = (f"`{env['command']}` ({env['platform']}, {env['cpus']} cores shared with other jobs, torch threads "
              f"{env['threads']}, load average {env['load_start']} at the start, {env['load_end']} at the end, "
              f"{env['date']}; {env['seconds']:.0f} s in all).")
-    lines = ["## Conditions of use: what they cost (issue 46)", "", where, ""]
+    lines = ["## Conditions of use: what they cost", "", where, ""]
     models = data["conditions"]
     if models:
         costs = data["suggested_costs"]
