@@ -92,6 +92,7 @@ def test_a_wrong_scale_names_the_declaration_once_and_its_consequences_as_such()
 def test_the_readmes_verify_example_is_what_the_command_prints(monkeypatch) -> None:
     """README's ``$ patch-engine verify qwen3`` block, line by line (``...`` elides), as a user's run prints it."""
     monkeypatch.setenv("PATCH_ENGINE_COMPILE", "1")  # a user's default (the suite turns compiled kernels off)
+    monkeypatch.delenv("PATCH_ENGINE_CONDITIONS", raising=False)  # ... and every condition of use (the suite: none)
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = re.search(r"```console\n\$ patch-engine verify qwen3\n(.*?)```", readme, re.DOTALL)
     assert block is not None

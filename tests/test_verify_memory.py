@@ -262,12 +262,12 @@ def test_the_original_logits_are_not_held_through_the_patched_run_on_a_cpu(
                     held.append(weakref.ref(out))  # the first [batch, tokens, vocab] held: the original's logits
                 return out
 
-            def run(m: Any, b: Any, forward_in: Any = None, between: Any = None) -> Any:
+            def run(m: Any, b: Any, forward_in: Any = None, between: Any = None, scenario: Any = None) -> Any:
                 def then(out: Any) -> None:
                     if between is not None:
                         between(out)
                     alive_at_backward.append(bool(held) and held[0]() is not None)
-                return real_run(m, b, forward_in, then)
+                return real_run(m, b, forward_in, then, scenario)
 
             monkeypatch.setattr(models, "hold", spy)
             monkeypatch.setattr(models, "_run", run)
