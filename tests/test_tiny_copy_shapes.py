@@ -28,6 +28,19 @@ from engine.zeroconfig.tiny_copy import NO_PROBE_INPUTS, tiny_copy
 
 TOL = 1e-5
 
+
+def _assert_same_numbers(model: Any, patched: Any, **inputs: Any) -> None:
+    """The patched model's logits and loss on ``inputs`` against the unpatched one's (the same dropout draws)."""
+    numbers = []
+    for m in (model, patched):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = m(**inputs)
+        numbers.append((out.logits, out.loss))
+    (want_logits, want_loss), (got_logits, got_loss) = numbers
+    assert (got_logits - want_logits).abs().max().item() <= TOL
+    assert abs(got_loss.item() - want_loss.item()) <= TOL
+
 LAGUNA = {
     "vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
     "num_key_value_heads": 2, "hidden_act": "gelu", "max_position_embeddings": 512, "rms_norm_eps": 1e-06,
@@ -106,12 +119,7 @@ def test_a_model_already_tiny_is_copied_at_its_own_sizes_patched_and_computes_th
     with pytest.raises(tiny_copy_module._NotRunning):  # what crashed before: the rules' sizes do not agree
         tiny_copy_module._runs_on_probes(by_rules)
     tiny_copy_module._runs_on_probes(tiny)  # the copy taken runs as the scaffold and the verifier run it
-    patched = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = engine.apply(patched)
-    assert report.patched, str(report)
-    assert report.zero_config.source == "measured" and not report.zero_config.problem, str(report)
+    patched = _applied(model)
     want_logits, want_loss = _numbers(model, vocab)
     got_logits, got_loss = _numbers(patched, vocab)
     assert (got_logits - want_logits).abs().max().item() <= TOL
@@ -169,15 +177,7 @@ def test_a_model_whose_loss_takes_labels_per_codebook_is_probed_with_them_patche
     patched = _applied(model)
     ids = torch.randint(0, 99, (2 * 4, 7), generator=torch.Generator().manual_seed(1))
     labels = ids.view(2, 4, 7).transpose(1, 2)
-    numbers = []
-    for m in (model, patched):
-        torch.manual_seed(0)
-        with torch.no_grad():
-            out = m(input_ids=ids, labels=labels)
-        numbers.append((out.logits, out.loss))
-    (want_logits, want_loss), (got_logits, got_loss) = numbers
-    assert (got_logits - want_logits).abs().max().item() <= TOL
-    assert abs(got_loss.item() - want_loss.item()) <= TOL
+    _assert_same_numbers(model, patched, input_ids=ids, labels=labels)
     engine.revert(patched)
 
 
@@ -332,15 +332,7 @@ def test_a_model_with_axial_position_embeddings_is_probed_at_their_length_patche
     assert tuple(probe_batch(model)["input_ids"].shape) == (2, 32)
     patched = _applied(model)
     ids = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(1))
-    numbers = []
-    for m in (model, patched):
-        torch.manual_seed(0)
-        with torch.no_grad():
-            out = m(input_ids=ids, labels=ids)
-        numbers.append((out.logits, out.loss))
-    (want_logits, want_loss), (got_logits, got_loss) = numbers
-    assert (got_logits - want_logits).abs().max().item() <= TOL
-    assert abs(got_loss.item() - want_loss.item()) <= TOL
+    _assert_same_numbers(model, patched, input_ids=ids, labels=ids)
     engine.revert(patched)
 
 
