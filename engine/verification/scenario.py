@@ -30,6 +30,7 @@ from torch import nn
 from engine.verification import run_settings
 from engine.verification.conditions import Condition, _cache_name, _parameters, _text_config, _vocab, window
 from engine.verification.gradient_hooks import unjudged
+from engine.verification.models import surrogate_loss
 from engine.verification.probes import probe_batch
 from engine.verification.results import MODEL, Check
 
@@ -123,7 +124,7 @@ class Scenario:
                 stack.enter_context(run_settings.attention(model, c.attention))
             self._recording = c.calls > 1 and not truth
             if self._recording:
-                self._start = _floating_buffers(model, clone=True)
+                self._start = _buffers(model, clone=True)
                 self.states.append([])
             yield
 
@@ -177,14 +178,14 @@ class Scenario:
             out = model(**batch)
             mask = batch.get("attention_mask")
             head = "logits" if "logits" in out else "last_hidden_state"
-            made = out.get(head) if head in out else None  # a fused head with labels makes the loss alone
+            made = out.get(head)  # None: a fused head with labels makes the loss alone
             if isinstance(mask, torch.Tensor) and made is not None and c.padding:
                 out[head] = made = made * mask[..., None].to(made.dtype)
             if getattr(out, "loss", None) is None and made is not None:
-                out["loss"] = _surrogate(made)
+                out["loss"] = surrogate_loss(made)
             if c.grad == "inference_mode":  # plain tensors: the judge holds and compares them outside the mode
                 for key in (head, "loss"):
-                    if out.get(key) is not None if key in out else False:
+                    if out.get(key) is not None:
                         out[key] = out[key].clone()
         if c.calls > 1:
             self._record(model)
@@ -208,12 +209,12 @@ class Scenario:
             if self.tokens is None:  # the first run is the original's: its tokens are every run's
                 self.tokens = torch.stack(fed, 1)
             logits = torch.stack(steps, 1)
-        return CausalLMOutput(loss=_surrogate(logits), logits=logits)
+        return CausalLMOutput(loss=surrogate_loss(logits), logits=logits)
 
     def _record(self, model: nn.Module) -> None:
         if not self._recording:
             return
-        now = _floating_buffers(model, clone=False)
+        now = _buffers(model, clone=False)
         self.states[-1].append({k: v.detach().clone() for k, v in now.items()
                                 if k not in self._start or not _same(v, self._start[k])})
 
@@ -246,21 +247,18 @@ class Scenario:
                      + (f" ({changed} changed)" if changed else " (none changed)"))
 
 
-def _surrogate(t: torch.Tensor) -> torch.Tensor:
-    return t.float().square().mean()
-
-
 def _loss(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if loss is not None:
         return loss
-    return _surrogate(out["logits"] if "logits" in out else out["last_hidden_state"])
+    return surrogate_loss(out["logits"] if "logits" in out else out["last_hidden_state"])
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
-def _floating_buffers(model: nn.Module, *, clone: bool) -> dict[str, torch.Tensor]:
+def _buffers(model: nn.Module, *, clone: bool) -> dict[str, torch.Tensor]:
+    """Every buffer by name (cloned: a snapshot the calls cannot change)."""
     return {name: (b.detach().clone() if clone else b) for name, b in model.named_buffers()
             if isinstance(b, torch.Tensor)}
