@@ -286,7 +286,7 @@ def test_a_patch_wrong_only_under_a_condition_differs_naming_it_and_its_exact_tw
     assert report.verdict == "differs" and any(w.endswith(f"[{condition}]") for w in failed), report.summary()
     assert all(w.endswith("]") for w in failed), failed  # the probe's own checks pass: only conditions show it
     named = [part for part in report.summary().split("; ") if " with " in part and condition in part]
-    assert named and "the probe (16 tokens" in report.summary(), report.summary()
+    assert named and "(16 tokens, no padding, no -100 label) pass" in report.summary(), report.summary()
     twin = judged[exact.__name__, condition]
     assert twin.verdict == "passes", twin.summary()
     assert all(c.passed for c in twin.model_checks) and "cannot see" not in twin.summary()

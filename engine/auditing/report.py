@@ -193,7 +193,9 @@ class AuditReport:
         grouped = _grouped(bad)
         parts = [_finding(r) for r in grouped if not self._on_reading(r) or r.result != "differs"]
         apart = [_finding(r) for r in grouped if self._on_reading(r) and r.result == "differs"]
-        (apart if self.reading_only else parts).extend(_failed(failed, self.model_checks, bool(bad)))
+        # a row found by putting it back ("put back") differs by the whole model's checks, not on the probe's inputs
+        on_probe = any(r.evidence != "put back" for r in bad)
+        (apart if self.reading_only else parts).extend(_failed(failed, self.model_checks, on_probe))
         if apart:
             parts.append(f"on {self.reading}'s reading only (not exact arithmetic; a device may differ): "
                          + "; ".join(apart))
