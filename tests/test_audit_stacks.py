@@ -8,6 +8,7 @@ transformers this venv has. Their NPU kernels run on the emulated ``torch_npu``,
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -53,13 +54,15 @@ def test_twinkle_olmo2_in_place_norm_backward_is_named_where_a_residual_shares_i
     """twinkle maps OLMo 2 to Liger's RMSNorm with ``in_place=True``: the post-norms inside ``residual + norm(...)``
     overwrite the residual's gradient (1.2e6x). It was 'grads differs' with no module named; now the two post-norm
     roles are, and the norms that write in place harmlessly (q_norm, k_norm, model.norm) are not."""
-    code, out = _run("olmo2", "--with", "twinkle", "--detail")
+    code, out = _run("olmo2", "--with", "twinkle", "--json")
     assert code == 1, out
+    (audit,) = json.loads(out)["audits"]
     assert re.search(r"Olmo2RMSNorm differs \([0-9.e+]+x\): its backward writes its input's gradient into its "
-                     r"output's gradient in place", out), out
-    blamed = {line.split()[0].rsplit(".", 1)[-1] for line in out.splitlines()
-              if "Olmo2RMSNorm" in line and " differs " in line and line.startswith("model.")}
-    assert blamed == {"post_attention_layernorm", "post_feedforward_layernorm"}, out
+                     r"output's gradient in place", audit["summary"]), audit["summary"]
+    # the rows' module paths (the printed table wraps a long path within its column at a 120-column width)
+    blamed = {row["path"].rsplit(".", 1)[-1] for row in audit["rows"]
+              if row["cls"] == "Olmo2RMSNorm" and row["result"] == "differs"}
+    assert blamed == {"post_attention_layernorm", "post_feedforward_layernorm"}, audit["rows"]
 
 
 @pytest.mark.slow

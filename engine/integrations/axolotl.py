@@ -141,7 +141,8 @@ class PatchsetPlugin(BasePlugin):
         patchset = _setting(cfg, "patchset")  # None / "auto": zero configuration (engine.zeroconfig)
         fused = _setting(cfg, "patchset_fused_cross_entropy")
         release = unverified_setting(_setting(cfg, "patchset_unverified"), _setting(cfg, "patchset_unverified_release"),
-                                     where="axolotl config patchset_unverified")
+                                     where="axolotl config",
+                                     keys=("patchset_unverified", "patchset_unverified_release"))
         _refuse_fused_head_under_trl(cfg, model, patchset, fused, release)
         self.report = apply(model, patchset, mode="training", verify=_setting(cfg, "patchset_verify") or False,
                             fused_cross_entropy=fused, unverified_release=release)

@@ -120,7 +120,8 @@ def configure(kernel_config: Mapping[str, Any] | None, *, training: bool) -> Set
     from engine.integrations.unverified import unverified_setting
     from engine.loader import load_patchset
 
-    release = unverified_setting(kernel_config.get("unverified"), kernel_config.get("unverified_release"), where=where)
+    release = unverified_setting(kernel_config.get("unverified"), kernel_config.get("unverified_release"), where=where,
+                                 keys=("unverified", "unverified_release"))
     name = kernel_config.get("patchset")
     from engine.zeroconfig import is_zero_config
 
