@@ -60,6 +60,38 @@ def test_blip2s_entry_is_the_composites_own_apply_judged_against_the_unpatched_c
     assert _row("blip-2", entry).startswith("| blip-2 | measured | yes | - | layer_norm, mlp |")
 
 
+@pytest.mark.parametrize(("model_type", "images", "ops"), [
+    ("pix2struct", "flattened_patches", "rms_norm"),
+    ("pp_formulanet", "pixel_values", "layer_norm, mlp"),
+])
+def test_an_image_to_text_encoder_decoder_is_patched_whole_on_its_images(model_type: str, images: str,
+                                                                         ops: str) -> None:
+    """Pix2Struct and PP-FormulaNet run on images only in their encoder (flattened patches, pixels): the probe draws
+    them, so apply(model) on the composite patches its modules, and training it matches the unpatched composite."""
+    import engine
+    from engine.tiny import build_tiny_model
+    from engine.tiny.config import derive_tiny_config
+    from engine.commands.tester_configs import _with_labels, judged, no_dropout, trajectory
+    from engine.verification.probes import probe_batch
+
+    model = build_tiny_model(model_type, derive_tiny_config(model_type), seed=0, check_size=True)
+    no_dropout(model.config, model)
+    inputs = probe_batch(model)
+    assert images in inputs and "labels" in inputs
+    train, _ = _with_labels(model, inputs)
+    want = trajectory(copy.deepcopy(model), inputs, train)
+    report = engine.apply(model)
+    assert ", ".join(sorted({d.op for d in report.decisions if d.action == "patch"})) == ops
+    try:
+        assert engine.verify(model, raise_on_failure=False, conditions=None).passed
+        got = trajectory(model, inputs, train)
+    finally:
+        engine.revert(model)
+    for key in want:  # logits, loss, logits after one SGD step
+        ok, note = judged(got[key], want[key], None)
+        assert ok, f"{key}: {note}"
+
+
 def test_pi0_is_not_patched_with_its_reason_not_its_language_models_yes() -> None:
     import engine
     from engine.commands.coverage_measured import measure_type

@@ -90,11 +90,13 @@ def capture(model: nn.Module) -> tuple[dict[str, Any], dict[tuple[str, str], Any
     from engine.verification.probes import probe_batch, unlabelled
 
     batch = probe_batch(model, seq=16)
-    ids = batch["input_ids"]
+    ids = batch.get("input_ids")  # None: an encoder reading images only (Pix2Struct), no decode step on ids alone
     try:
         with routing.observing(named, observer_for), torch.no_grad(), torch_path(model):  # routed first, as before
             model(**unlabelled(model, batch))  # with GIT's inline images, an encoder-decoder's decoder ids
             try:  # prefill then one cached token: reaches functions only decode calls
+                if ids is None:
+                    raise ValueError("no token ids to decode")
                 out = model(input_ids=ids[:, :-1], use_cache=True)
                 if getattr(out, "past_key_values", None) is not None:
                     model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["image_features", "query_token_inputs", "tiny_vision_inputs", "vision_only_inputs"]
+__all__ = ["encoder_images", "image_features", "query_token_inputs", "tiny_vision_inputs", "vision_only_inputs"]
 
 #: Frames of a video for a Q-Former video model. InstructBLIP-Video's processor gives 4; each frame runs the
 #: same modules, and 4 x 32 query tokens would pass a tiny copy's 128 positions (shrunk by the size rules).
@@ -172,6 +172,44 @@ def query_token_inputs(
         qformer_ids = torch.randint(3, max(4, min(vocab, 200)), (batch, 8), generator=gen)
         inputs["qformer_input_ids"] = qformer_ids.to(ids.device)
     return ids, inputs
+
+
+def encoder_images(model: nn.Module, batch: int, *, seed: int = 0) -> dict[str, torch.Tensor] | None:
+    """Images for an image-to-text encoder-decoder, whose encoder reads images only; else None.
+
+    Why: Pix2Struct (its encoder reads ``flattened_patches``: each patch's row and column index, then its pixels)
+    and PP-FormulaNet (``pixel_values``; its forward raises without them) cannot run on token ids, so a text probe
+    reached none of their modules and ``engine.apply(model)`` patched nothing (issue 47). Their decoder reads the
+    probe's token ids (PP-FormulaNet's ``input_ids``, shifted inside) or its labels (Pix2Struct, which takes no
+    ``input_ids``). Such a model is an encoder-decoder whose config holds a ``vision_config`` (a text encoder
+    beside it, Florence-2, has ``get_image_features`` and runs on text); 16 patches (a 4 x 4 grid) each, or one
+    image of the vision config's size.
+    """
+    import inspect
+
+    config = model.config
+    vision = getattr(config, "vision_config", None)
+    if not getattr(config, "is_encoder_decoder", False) or vision is None or hasattr(model, "get_image_features"):
+        return None
+    params = inspect.signature(model.forward).parameters
+    parameter = next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    if "flattened_patches" in params and isinstance(getattr(vision, "patch_embed_hidden_size", None), int):
+        side = 4
+        index = torch.arange(side * side)
+        grid = torch.stack([index // side, index % side], dim=-1).float().expand(batch, -1, -1)
+        pixels = torch.randn(batch, side * side, int(vision.patch_embed_hidden_size), generator=gen)
+        patches = torch.cat([grid, pixels], dim=-1).to(parameter.device, parameter.dtype)
+        return {"flattened_patches": patches, "attention_mask": torch.ones(batch, side * side, device=parameter.device)}
+    if "pixel_values" in params:
+        size = getattr(vision, "image_size", None)
+        height, width = (size, size) if isinstance(size, int) else tuple(size or (0, 0))[:2]
+        if not height or not width:
+            return None
+        channels = int(getattr(vision, "num_channels", 3) or 3)
+        pixels = torch.randn(batch, channels, int(height), int(width), generator=gen)
+        return {"pixel_values": pixels.to(parameter.device, parameter.dtype)}
+    return None
 
 
 def _token_id(config: object, kind: str) -> int | None:

@@ -56,11 +56,19 @@ def probe_batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 
         found = query_token_inputs(model, ids, seed=seed)
         if found is not None:
             ids, images = found
+        else:  # an image-to-text encoder-decoder (Pix2Struct, PP-FormulaNet): its encoder reads images only
+            from engine.tiny.vision_inputs import encoder_images
+
+            images = encoder_images(model, batch, seed=seed) or {}
     if not takes_labels(model):  # a base model (no LM head, e.g. Qwen2VLTextModel): no labels to give
         return {"input_ids": ids, **images}
     labels = ids.clone()
     labels[:, : ids.shape[1] - seq] = -100  # query tokens: the image's place, not text to predict
-    return {"input_ids": ids, "labels": labels, **images, **inline_images(model, batch=batch, seed=seed, seq=ids.shape[1])}
+    made = {"input_ids": ids, "labels": labels, **images, **inline_images(model, batch=batch, seed=seed,
+                                                                          seq=ids.shape[1])}
+    if "input_ids" not in inspect.signature(model.forward).parameters and images:  # Pix2Struct: labels feed its decoder
+        del made["input_ids"]
+    return made
 
 
 #: An input's documented shape in a transformers docstring: ``labels (`torch.LongTensor` of shape `(b, s, k)`...``.
@@ -161,7 +169,7 @@ def unlabelled(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, to
     (``You must specify exactly one of input_ids or inputs_embeds``) and no module is reached.
     """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    ids = batch.get("input_ids")
+    ids = batch.get("input_ids", batch.get("labels"))  # no input_ids (Pix2Struct): the tokens are the labels
     takes = inspect.signature(model.forward).parameters
     if "decoder_input_ids" in takes and "decoder_input_ids" not in inputs and isinstance(ids, torch.Tensor):
         inputs["decoder_input_ids"] = ids
