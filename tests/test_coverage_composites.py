@@ -25,38 +25,46 @@ def _row(model_type: str, entry: dict) -> str:
     return next(line for line in text.splitlines() if line.startswith(f"| {model_type} |"))
 
 
-def test_blip2s_entry_is_the_composites_own_apply_judged_against_the_unpatched_composite() -> None:
+def _applied_and_trained_like_unpatched(model_type: str, images: str) -> object:
+    """The tiny composite a user would hold, apply(model) on it, and its training trajectory (logits, loss, logits
+    after one SGD step) judged against the unpatched composite's; returns apply's report."""
     import engine
-    from engine.commands.coverage_measured import measure_type
     from engine.commands.tester_configs import _with_labels, judged, no_dropout, trajectory
     from engine.tiny import build_tiny_model
     from engine.tiny.config import derive_tiny_config
-    from engine.tiny.subject import tiny_subject
     from engine.verification.probes import probe_batch
+
+    model = build_tiny_model(model_type, derive_tiny_config(model_type), seed=0, check_size=True)
+    no_dropout(model.config, model)
+    inputs = probe_batch(model)
+    assert images in inputs and "labels" in inputs
+    train, _ = _with_labels(model, inputs)
+    want = trajectory(copy.deepcopy(model), inputs, train)
+    report = engine.apply(model)
+    try:
+        assert engine.verify(model, raise_on_failure=False, conditions=None).passed
+        got = trajectory(model, inputs, train)
+    finally:
+        engine.revert(model)
+    for key in want:
+        ok, note = judged(got[key], want[key], None)
+        assert ok, f"{key}: {note}"
+    return report
+
+
+def test_blip2s_entry_is_the_composites_own_apply_judged_against_the_unpatched_composite() -> None:
+    from engine.commands.coverage_measured import measure_type
+    from engine.tiny.subject import tiny_subject
 
     assert tiny_subject("blip-2").tiny_type == "opt"  # the scaffold's stand-in, unchanged (patchsets use it)
     entry = measure_type("blip-2")
     assert entry["class"] == "Blip2ForConditionalGeneration" and "tiny_type" not in entry
     assert entry["verified"] is True and entry["ops"] == "layer_norm, mlp"  # OPT alone: layer_norm only
     assert "language model" not in entry.get("note", "")
-
     # the same model a user would hold, apply(model), against the unpatched composite's numbers
-    model = build_tiny_model("blip-2", derive_tiny_config("blip-2"), seed=0, check_size=True)
-    no_dropout(model.config, model)
-    inputs = probe_batch(model)
-    assert "pixel_values" in inputs
-    train, _ = _with_labels(model, inputs)
-    want = trajectory(copy.deepcopy(model), inputs, train)
-    report = engine.apply(model)
+    report = _applied_and_trained_like_unpatched("blip-2", "pixel_values")
     assert len(report.patched) == entry["patches"]
     assert ", ".join(sorted({d.op for d in report.decisions if d.action == "patch"})) == entry["ops"]
-    try:
-        got = trajectory(model, inputs, train)
-    finally:
-        engine.revert(model)
-    for key in want:  # logits, loss, logits after one SGD step
-        ok, note = judged(got[key], want[key], None)
-        assert ok, f"{key}: {note}"
     assert _row("blip-2", entry).startswith("| blip-2 | measured | yes | - | layer_norm, mlp |")
 
 
@@ -68,28 +76,8 @@ def test_an_image_to_text_encoder_decoder_is_patched_whole_on_its_images(model_t
                                                                          ops: str) -> None:
     """Pix2Struct and PP-FormulaNet run on images only in their encoder (flattened patches, pixels): the probe draws
     them, so apply(model) on the composite patches its modules, and training it matches the unpatched composite."""
-    import engine
-    from engine.tiny import build_tiny_model
-    from engine.tiny.config import derive_tiny_config
-    from engine.commands.tester_configs import _with_labels, judged, no_dropout, trajectory
-    from engine.verification.probes import probe_batch
-
-    model = build_tiny_model(model_type, derive_tiny_config(model_type), seed=0, check_size=True)
-    no_dropout(model.config, model)
-    inputs = probe_batch(model)
-    assert images in inputs and "labels" in inputs
-    train, _ = _with_labels(model, inputs)
-    want = trajectory(copy.deepcopy(model), inputs, train)
-    report = engine.apply(model)
+    report = _applied_and_trained_like_unpatched(model_type, images)
     assert ", ".join(sorted({d.op for d in report.decisions if d.action == "patch"})) == ops
-    try:
-        assert engine.verify(model, raise_on_failure=False, conditions=None).passed
-        got = trajectory(model, inputs, train)
-    finally:
-        engine.revert(model)
-    for key in want:  # logits, loss, logits after one SGD step
-        ok, note = judged(got[key], want[key], None)
-        assert ok, f"{key}: {note}"
 
 
 def test_pi0_is_not_patched_with_its_reason_not_its_language_models_yes() -> None:
