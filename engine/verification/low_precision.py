@@ -102,7 +102,7 @@ _BLOCK = 1 << 21
 
 
 def token_loss_noise(logits: torch.Tensor, exact: torch.Tensor, labels: torch.Tensor, exact_loss: torch.Tensor,
-                     ignore_index: int = -100) -> float | None:
+                     ignore_index: int = -100, num_items: float | None = None) -> float | None:
     """``sqrt(sum e_i**2) / N``: the typical size of the mean of the per-token loss errors, or ``None``.
 
     ``e_i = CE_i(logits) - CE_i(exact)`` in fp64, with transformers' causal-LM loss (``ForCausalLMLoss``:
@@ -111,6 +111,9 @@ def token_loss_noise(logits: torch.Tensor, exact: torch.Tensor, labels: torch.Te
     Blockwise over tokens: never more than two ``_BLOCK``-sized fp64 blocks beside the held logits.
     ``None`` where this is not the model's loss (the truth's loss is not the mean of its per-token
     cross-entropies, e.g. a model with another loss): the caller keeps the plain rule there.
+    ``num_items``: the batch's ``num_items_in_batch`` (gradient accumulation): transformers then divides
+    the sum by it, not by ``N``, and so does this (without it, such a loss kept the one-draw rule and
+    failed correct bf16 kernels at 54x).
     """
     if logits.dim() != 3 or logits.shape != exact.shape or labels.shape != logits.shape[:2]:
         return None
@@ -134,9 +137,10 @@ def token_loss_noise(logits: torch.Tensor, exact: torch.Tensor, labels: torch.Te
             squares += float((losses[0] - losses[1]).square().sum())
             exact_sum += float(losses[1].sum())
     truth_loss = float(exact_loss)
-    if not math.isfinite(truth_loss) or abs(exact_sum / n - truth_loss) > 1e-9 * max(1.0, abs(truth_loss)):
+    divisor = float(num_items) if num_items else float(n)
+    if not math.isfinite(truth_loss) or abs(exact_sum / divisor - truth_loss) > 1e-9 * max(1.0, abs(truth_loss)):
         return None  # not the causal-LM cross-entropy transformers takes: no claim about its noise
-    return math.sqrt(squares) / n
+    return math.sqrt(squares) / divisor
 
 
 def judge_loss(got: torch.Tensor, original: torch.Tensor, truth: torch.Tensor, typical: float) -> tuple[bool, str]:

@@ -63,7 +63,9 @@ def loss_noise(waiting: dict[str, Any], head: str, truth: dict[str, Any], batch:
         return None
     if not isinstance(labels, torch.Tensor):  # no token scored (one token, decoding): the logits' mean square
         return surrogate_noise(original, exact)
-    return token_loss_noise(original, exact, labels, truth["loss"])
+    items = batch.get("num_items_in_batch")
+    items = float(items) if isinstance(items, (int, float, torch.Tensor)) else None
+    return token_loss_noise(original, exact, labels, truth["loss"], num_items=items)
 
 
 def surrogate_noise(original: torch.Tensor, exact: torch.Tensor) -> float:
