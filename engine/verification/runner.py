@@ -250,6 +250,23 @@ def _under_conditions(model: nn.Module, batch: dict[str, Any], held: torch.devic
     return checks
 
 
+@contextlib.contextmanager
+def _as_original(model: nn.Module) -> Iterator[None]:
+    """The unpatched forwards, with the caller's gradients set aside and put back after (a run of the original
+    under a condition, asked after the patched model's check)."""
+    from engine.patching.patcher import original_forwards
+
+    saved = [(p, p.grad) for p in model.parameters()]
+    for p, _ in saved:
+        p.grad = None
+    try:
+        with original_forwards(model):
+            yield
+    finally:
+        for p, grad in saved:
+            p.grad = grad
+
+
 def _original_malformed(model: nn.Module, batch: dict[str, Any], c: Any) -> str:
     """Why the original model's logits under condition ``c`` do not fit its input ("" where they do).
 
@@ -260,7 +277,6 @@ def _original_malformed(model: nn.Module, batch: dict[str, Any], c: Any) -> str:
     failed, so a passing condition costs nothing more; a patch cannot make the *original* misbehave, so an
     adversarial patch is not excused by it.
     """
-    from engine.patching.patcher import original_forwards
     from engine.verification.models import without_labels
     from engine.verification.scenario import Scenario
 
@@ -271,15 +287,11 @@ def _original_malformed(model: nn.Module, batch: dict[str, Any], c: Any) -> str:
     ids = given.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return ""
-    saved = [(p, p.grad) for p in model.parameters()]
     try:
-        with original_forwards(model):
+        with _as_original(model):
             out = without_labels(model, given, scenario=scenario)
     except Exception:  # noqa: BLE001  (a failing original is _original_raises's to say)
         return ""
-    finally:
-        for p, grad in saved:
-            p.grad = grad
     logits = out.get("logits") if hasattr(out, "get") else None
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) == tuple(ids.shape):
         return ""
@@ -289,22 +301,15 @@ def _original_malformed(model: nn.Module, batch: dict[str, Any], c: Any) -> str:
 
 def _original_raises(model: nn.Module, batch: dict[str, Any], c: Any) -> str:
     """What the original model raises under condition ``c`` ("" where it runs)."""
-    from engine.patching.patcher import original_forwards
     from engine.verification.models import run
     from engine.verification.scenario import Scenario
 
     scenario = Scenario(c)
-    saved = [(p, p.grad) for p in model.parameters()]  # the caller's gradients, put back
-    for p, _ in saved:
-        p.grad = None
     try:
-        with original_forwards(model):
+        with _as_original(model):
             run(model, scenario.batch(model, batch), scenario=scenario)
     except Exception as exc:  # noqa: BLE001  (any failure of the original: the condition does not apply)
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-    finally:
-        for p, grad in saved:
-            p.grad = grad
     return ""
 
 
